@@ -1,0 +1,135 @@
+"""Tensor <-> bytes, checksums and plain-value encoding.
+
+Tensors are stored as their raw little-endian element bytes in row-major order
+(``tensor.contiguous().view(torch.uint8)``): no header, no pickle, so any dtype
+torch can view as bytes (bfloat16, float8 kinds, complex, bool) round-trips
+bit-exactly. Plain values are encoded as tagged JSON.
+"""
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import crc32c as _crc32c
+import torch
+
+from .errors import CheckpointError
+
+__all__ = [
+    "DTYPES", "dtype_name", "dtype_from_name", "tensor_bytes", "tensor_from_bytes",
+    "checksum", "encode_value", "decode_value", "is_plain_value",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16",
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "complex128", "complex64", "complex32",
+        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+    )
+    if hasattr(torch, name)
+}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored; supported: {', '.join(DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata (written by a newer raydcp?)") from None
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=dtype_from_name(name)).element_size()
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 CPU view of ``t``'s element bytes (copies only if ``t`` is not contiguous or on a device)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def tensor_from_bytes(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor viewing ``buf`` (bytes-like or uint8 tensor) as ``dtype`` with ``shape`` (no copy)."""
+    if isinstance(buf, torch.Tensor):
+        raw = buf
+    elif len(memoryview(buf)) == 0:
+        raw = torch.empty(0, dtype=torch.uint8)
+    else:
+        import warnings
+
+        with warnings.catch_warnings():  # read-only buffers are only ever read from here
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+    return raw.view(dtype_from_name(dtype)).reshape(shape)
+
+
+def checksum(data: Any) -> int:
+    """CRC32C (hardware accelerated where the CPU has it) of a bytes-like or uint8 tensor."""
+    if isinstance(data, torch.Tensor):
+        data = data.numpy() if data.numel() else b""
+    return _crc32c.crc32c(data)
+
+
+# ---- plain values: tagged JSON, never pickle -------------------------------------------------
+
+_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def is_plain_value(v: Any) -> bool:
+    if isinstance(v, _PLAIN_SCALARS):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(is_plain_value(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, (str, int, bool, type(None), float)) and is_plain_value(x) for k, x in v.items())
+    return False
+
+
+def encode_value(v: Any) -> Any:
+    """A JSON-compatible form of a plain value that :func:`decode_value` inverts exactly."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"__float__": repr(v)}
+    if isinstance(v, bytes):
+        return {"__bytes__": base64.b64encode(v).decode("ascii")}
+    if isinstance(v, tuple):
+        return {"__tuple__": [encode_value(x) for x in v]}
+    if isinstance(v, list):
+        return [encode_value(x) for x in v]
+    if isinstance(v, dict):
+        return {"__dict__": [[encode_value(k), encode_value(x)] for k, x in v.items()]}
+    raise CheckpointError(f"value of type {type(v).__name__} is not a plain value")
+
+
+def decode_value(v: Any) -> Any:
+    if isinstance(v, list):
+        return [decode_value(x) for x in v]
+    if isinstance(v, dict):
+        if len(v) != 1:
+            raise CheckpointError(f"malformed plain value in metadata: {str(v)[:80]}")
+        (tag, body), = v.items()
+        if tag == "__float__":
+            return float(body)
+        if tag == "__bytes__":
+            return base64.b64decode(body)
+        if tag == "__tuple__":
+            return tuple(decode_value(x) for x in body)
+        if tag == "__dict__":
+            return {decode_value(k): decode_value(x) for k, x in body}
+        raise CheckpointError(f"malformed plain value in metadata: unknown tag {tag!r}")
+    return v

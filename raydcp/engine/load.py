@@ -1,0 +1,162 @@
+"""Collective load (storage -> ranks) and transfer (live ranks -> ranks), for any N -> M."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Sequence
+
+from ..codec import itemsize
+from ..errors import CheckpointError, RankFailure
+from ..metadata import Metadata, decode_metadata
+from ..planner import (LocalLoadPlan, LocalSavePlan, RankLoadPlan, ReadItem, SourceChunk, TensorSpec,
+                       check_requests, plan_load)
+from ..planner.save import _agree_on_tensors, _agree_on_values, _tiling_problems
+from ..state import FlatState, flatten_state
+from ..storage import CheckpointStorage
+from ..transport import Transport
+from .reads import ChunkReader, Deliverer, FileChunkReader, LiveChunkReader
+from .save import local_save_plan
+
+__all__ = ["LoadStats", "load_with", "transfer_with", "read_metadata"]
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What one rank's load did: bytes it read from the source, bytes its own tensors needed."""
+
+    bytes_read: int
+    bytes_needed: int
+    seconds: float
+
+
+def read_metadata(checkpoint_id: str, storage_options: dict | None = None) -> Metadata:
+    storage = CheckpointStorage(checkpoint_id, storage_options)
+    return decode_metadata(storage.read_metadata_bytes(), f"{storage.url}/raydcp.meta")
+
+
+def local_load_plan(rank: int, flat: FlatState, strict: bool) -> LocalLoadPlan:
+    keys = sorted(flat.tensors)
+    return LocalLoadPlan(
+        rank=rank,
+        tensors={k: TensorSpec(flat.tensors[k].dtype, flat.tensors[k].global_shape) for k in keys},
+        items=tuple(ReadItem(k, flat.tensors[k].offsets, tuple(flat.tensors[k].tensor.shape)) for k in keys),
+        values=tuple(sorted(flat.values)),
+        strict=strict,
+    )
+
+
+def _stored_sources(md: Metadata) -> dict[str, list[SourceChunk]]:
+    return {
+        key: [SourceChunk(key, t.dtype, c.offsets, c.sizes, c.file, c.byte_offset, c.nbytes, c.checksum)
+              for c in t.chunks]
+        for key, t in md.tensors.items()
+    }
+
+
+def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, local_plans: Sequence[LocalLoadPlan]):
+    md = read_metadata(checkpoint_id, storage_options)
+    available = {k: TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
+    check_requests(available, md.values, local_plans)
+    itemsizes = {k: itemsize(t.dtype) for k, t in md.tensors.items()}
+    return plan_load(_stored_sources(md), local_plans, md.values, itemsizes)
+
+
+def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: ChunkReader) -> int:
+    """Steps 3-5 of a load: read and deliver, exchange, finish together. Returns bytes read."""
+    rank = transport.rank
+    leaves = [flat.tensors[k] for k in sorted(flat.tensors)]
+    out = Deliverer(rank, leaves)
+    failure: Any = None
+    nread = 0
+    try:
+        for cr in plan.reads:
+            nread += reader.read(cr, out)
+    except Exception as exc:  # still take part in the exchange, so no rank waits forever
+        failure = RankFailure.from_exception(rank, exc)
+    incoming = transport.exchange("load: exchange", out.outgoing)
+    if failure is None:
+        try:
+            for tag, buf in incoming:
+                out.accept(tag, buf)
+            if out.received != plan.incoming:
+                raise CheckpointError(f"rank {rank} received {out.received} pieces, expected {plan.incoming}")
+        except Exception as exc:
+            failure = RankFailure.from_exception(rank, exc)
+    # the last step doubles as the barrier after which senders may free their buffers
+    transport.reduce_scatter("load: finish", failure, _all_done)
+    flat.finish_load(dict(plan.values))
+    return nread
+
+
+def _all_done(values: list) -> list:
+    return [None] * len(values)
+
+
+def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, strict: bool = True,
+              storage_options: dict | None = None) -> LoadStats:
+    """The load protocol for one rank (every rank of ``transport`` calls it together).
+
+    1. flatten the state dict into the regions this rank wants; 2. reduce_scatter
+    "plan": the coordinator reads the metadata once, checks every rank's request
+    (one error naming every offending key, on every rank) and assigns each needed
+    source byte range to one reader; 3. read assigned chunks, fill local tensors,
+    queue parts for other ranks; 4. exchange; 5. reduce_scatter "finish".
+    """
+    t0 = time.perf_counter()
+    try:
+        flat = flatten_state(state_dict, for_load=True)
+        local: Any = local_load_plan(transport.rank, flat, strict)
+    except Exception as exc:
+        local = RankFailure.from_exception(transport.rank, exc)
+    plan = transport.reduce_scatter("load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
+    reader = FileChunkReader(CheckpointStorage(checkpoint_id, storage_options))
+    nread = _execute(transport, plan, flat, reader)
+    return LoadStats(nread, plan.bytes_needed, time.perf_counter() - t0)
+
+
+def _reduce_transfer_plan(pairs: Sequence[tuple[LocalSavePlan | None, LocalLoadPlan | None]]):
+    sources = [p[0] for p in pairs if p[0] is not None]
+    tensors = _agree_on_tensors(sources)
+    values = _agree_on_values(sources, tensors)
+    chunks: dict[str, dict[tuple, SourceChunk]] = {}
+    for sp in sources:
+        for it in sp.items:  # a rank holds at most one piece per key: holders serve it by key
+            box = (it.offsets, it.sizes)
+            prev = chunks.setdefault(it.key, {}).get(box)
+            holders = (prev.holders if prev else ()) + (sp.rank,)
+            chunks[it.key][box] = SourceChunk(it.key, tensors[it.key].dtype, it.offsets, it.sizes,
+                                              nbytes=it.nbytes, holders=holders)
+    problems = [p for k, s in tensors.items() for p in _tiling_problems(k, s.shape, list(chunks.get(k, {})))]
+    if problems:
+        raise CheckpointError("the source group's pieces do not form whole tensors:\n  " + "\n  ".join(problems))
+    dests = [p[1] if p[1] is not None else LocalLoadPlan(r, {}, (), (), strict=False) for r, p in enumerate(pairs)]
+    check_requests(tensors, values, dests)
+    itemsizes = {k: itemsize(s.dtype) for k, s in tensors.items()}
+    return plan_load({k: list(v.values()) for k, v in chunks.items()}, dests, values, itemsizes)
+
+
+def transfer_with(transport: Transport, source_state: dict | None, dest_state: dict | None, *,
+                  strict: bool = True) -> LoadStats:
+    """Move a live group's state to another layout through the transport, no storage round trip.
+
+    Every rank of ``transport`` calls it; a rank may hold source pieces
+    (``source_state``), want destination pieces (``dest_state``), or both. The
+    plan is a load plan whose source chunks are the source ranks' pieces: each
+    needed piece is served by one rank holding it, sliced and sent to the ranks
+    that want it (through the object store with the Ray transport).
+    """
+    t0 = time.perf_counter()
+    rank = transport.rank
+    try:
+        src_flat = flatten_state(source_state) if source_state is not None else None
+        staged = local_save_plan(rank, src_flat, compare_replicas=False) if src_flat else None
+        flat = flatten_state(dest_state, for_load=True) if dest_state is not None else FlatState({}, {}, {}, [])
+        dest = local_load_plan(rank, flat, strict) if dest_state is not None else None
+        local: Any = (staged.plan if staged else None, dest)
+    except Exception as exc:
+        local = RankFailure.from_exception(rank, exc)
+    plan = transport.reduce_scatter("transfer: plan", local, _reduce_transfer_plan)
+    reader = LiveChunkReader(lambda key: src_flat.tensors[key].tensor)
+    _execute(transport, plan, flat, reader)
+    return LoadStats(0, plan.bytes_needed, time.perf_counter() - t0)

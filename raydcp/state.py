@@ -1,0 +1,202 @@
+"""Flattening state dicts into FQN-addressed leaves, and writing loaded values back.
+
+Leaf kinds (DESIGN.md "State dict leaves"):
+
+- ``torch.Tensor``: a whole tensor (offsets all zero).
+- ``DTensor``: its local piece; global offsets come from torch's own
+  ``compute_local_shape_and_global_offset`` (local, no collectives).
+- :class:`Shard`: an explicit piece of a global tensor.
+- plain values (None, bool, int, float, str, bytes and containers of them).
+- Stateful objects (``state_dict()``/``load_state_dict()``): expanded on save; on
+  load their ``state_dict()`` is filled and handed back to ``load_state_dict()``.
+
+Dicts flatten to dotted FQNs; lists/tuples holding tensors flatten by index; a
+list without tensors is one plain value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .codec import dtype_name, is_plain_value
+from .errors import CheckpointError
+
+__all__ = ["Shard", "TensorLeaf", "FlatState", "flatten_state"]
+
+
+class Shard:
+    """A piece of a global tensor, for code that shards by hand.
+
+    ``tensor`` holds the elements at ``offsets`` (one per dimension) of a tensor of
+    ``global_shape``.
+    """
+
+    __slots__ = ("tensor", "offsets", "global_shape")
+
+    def __init__(self, tensor: torch.Tensor, offsets, global_shape):
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"Shard needs a torch.Tensor, got {type(tensor).__name__}")
+        offsets, global_shape = tuple(int(o) for o in offsets), tuple(int(s) for s in global_shape)
+        if not (len(offsets) == len(global_shape) == tensor.dim()):
+            raise CheckpointError(
+                f"Shard: offsets {offsets} and global_shape {global_shape} need one entry per "
+                f"dimension of the tensor (shape {tuple(tensor.shape)})"
+            )
+        for d, (o, n, g) in enumerate(zip(offsets, tensor.shape, global_shape)):
+            if o < 0 or o + n > g:
+                raise CheckpointError(
+                    f"Shard: dimension {d} covers [{o}, {o + n}) outside the global size {g}"
+                )
+        self.tensor, self.offsets, self.global_shape = tensor, offsets, global_shape
+
+    def __repr__(self) -> str:
+        return f"Shard(shape={tuple(self.tensor.shape)}, offsets={self.offsets}, global_shape={self.global_shape})"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLeaf:
+    """One rank's piece of one global tensor: ``tensor`` is the local data (may be on a device)."""
+
+    fqn: str
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: str
+    replicable: bool  # a whole tensor or a replicated DTensor piece: other ranks may hold the same
+
+
+@dataclass
+class FlatState:
+    tensors: dict[str, TensorLeaf]
+    values: dict[str, Any]
+    # load only: how to put a loaded plain value back, and Stateful objects to hand back, innermost first
+    setters: dict[str, Callable[[Any], None]]
+    finalizers: list[Callable[[], None]]
+
+    def finish_load(self, values: dict[str, Any]) -> None:
+        for fqn, v in values.items():
+            self.setters[fqn](v)
+        for fin in self.finalizers:
+            fin()
+
+
+def _is_dtensor(x: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(x, DTensor)
+
+
+def _dtensor_leaf(fqn: str, t: Any) -> TensorLeaf | None:
+    from torch.distributed.tensor import Replicate, Shard as DShard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if not (type(p) is Replicate or type(p) is DShard):
+            raise CheckpointError(
+                f"{fqn}: DTensor placement {p} is not supported (only Shard and Replicate); "
+                f"call .redistribute() to Shard/Replicate placements before saving"
+            )
+    if t.device_mesh.get_coordinate() is None:
+        return None  # this rank holds no piece of this tensor
+    local = t.to_local()
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise CheckpointError(f"{fqn}: DTensor local shape {tuple(local.shape)} differs from its placement's {tuple(shape)}")
+    replicable = any(type(p) is Replicate for p in t.placements)
+    return TensorLeaf(fqn, local, tuple(offsets), tuple(t.shape), dtype_name(local.dtype), replicable)
+
+
+def _has_tensor(x: Any) -> bool:
+    if isinstance(x, (torch.Tensor, Shard)) or hasattr(x, "state_dict"):
+        return True
+    if isinstance(x, dict):
+        return any(_has_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_tensor(v) for v in x)
+    return False
+
+
+def _is_stateful(x: Any) -> bool:
+    return callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
+
+
+def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
+    """Flatten ``state_dict`` into tensor leaves and plain values keyed by FQN.
+
+    With ``for_load`` the result also knows how to write loaded plain values back
+    into the caller's containers and which Stateful objects to hand back.
+    """
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    flat = FlatState({}, {}, {}, [])
+
+    def add(fqn: str) -> None:
+        if fqn in flat.tensors or fqn in flat.values:
+            raise CheckpointError(f"two entries of the state dict flatten to the same key {fqn!r}; rename one")
+
+    def visit(x: Any, fqn: str, setter: Callable[[Any], None]) -> None:
+        if _is_dtensor(x):
+            add(fqn)
+            leaf = _dtensor_leaf(fqn, x)
+            if leaf is not None:
+                flat.tensors[fqn] = leaf
+        elif isinstance(x, torch.Tensor):
+            add(fqn)
+            if x.is_sparse or x.layout != torch.strided:
+                raise CheckpointError(f"{fqn}: {x.layout} tensors are not supported; convert with .to_dense()")
+            shape = tuple(x.shape)
+            flat.tensors[fqn] = TensorLeaf(fqn, x, (0,) * len(shape), shape, dtype_name(x.dtype), True)
+        elif isinstance(x, Shard):
+            add(fqn)
+            flat.tensors[fqn] = TensorLeaf(fqn, x.tensor, x.offsets, x.global_shape, dtype_name(x.tensor.dtype), False)
+        elif isinstance(x, dict):
+            for k, v in list(x.items()):
+                if not isinstance(k, (str, int)):
+                    raise CheckpointError(f"{fqn or '<root>'}: dict key {k!r} of type {type(k).__name__}; keys must be str or int")
+                visit(v, f"{fqn}.{k}" if fqn else str(k), _item_setter(x, k))
+        elif isinstance(x, (list, tuple)) and _has_tensor(x):
+            items = list(x)
+            for i, v in enumerate(items):
+                visit(v, f"{fqn}.{i}" if fqn else str(i), _seq_setter(x, items, i, setter))
+        elif _is_stateful(x):
+            sd = x.state_dict()
+            if not isinstance(sd, dict):
+                raise CheckpointError(f"{fqn}: {type(x).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
+            visit(sd, fqn, lambda v: None)
+            if for_load:
+                flat.finalizers.append(lambda obj=x, sd=sd: obj.load_state_dict(sd))
+        elif is_plain_value(x):
+            add(fqn)
+            flat.values[fqn] = x
+            flat.setters[fqn] = setter
+        else:
+            raise CheckpointError(
+                f"{fqn}: cannot checkpoint a value of type {type(x).__module__}.{type(x).__qualname__}; "
+                f"use tensors, plain values (None/bool/int/float/str/bytes and lists/dicts of them), "
+                f"raydcp.Shard, DTensor or an object with state_dict()/load_state_dict()"
+            )
+
+    visit(state_dict, "", lambda v: None)
+    return flat
+
+
+def _item_setter(container: dict, key: Any) -> Callable[[Any], None]:
+    def set_item(v: Any) -> None:
+        container[key] = v
+    return set_item
+
+
+def _seq_setter(seq: Any, items: list, i: int, parent_setter: Callable[[Any], None]) -> Callable[[Any], None]:
+    if isinstance(seq, list):
+        def set_list(v: Any) -> None:
+            seq[i] = v
+        return set_list
+
+    def set_tuple(v: Any) -> None:  # tuples are rebuilt and put back into their parent
+        items[i] = v
+        parent_setter(type(seq)(items) if type(seq) is tuple else type(seq)(*items))
+    return set_tuple
