@@ -49,7 +49,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=dtype_from_name(name)).element_size()
+    return dtype_from_name(name).itemsize
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
