@@ -1,0 +1,368 @@
+"""One checkpoint directory on any fsspec filesystem: the primitives the engine builds on."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Mapping, Sequence
+
+from raydcp.errors import CheckpointError
+from raydcp.storage import _local
+from raydcp.storage._common import (
+    METADATA_NAME,
+    check_name,
+    describe,
+    forget,
+    is_local,
+    missing_file_error,
+    open_fs,
+    translating,
+    truncated_file_error,
+)
+from raydcp.storage._local import pread_into
+from raydcp.storage._ranges import RangePlan, byte_view, plan_ranges
+
+__all__ = ["CheckpointStorage"]
+
+# Object stores (and the in-memory filesystem) have no directories to create: a put creates
+# every "parent". Other remote filesystems (sftp, hdfs, ...) get makedirs before a write.
+_FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
+
+
+class CheckpointStorage:
+    """One checkpoint directory on any fsspec filesystem (local path, file://, memory://, s3://, ...).
+
+    Save protocol (who calls what):
+      1. every writing rank calls :meth:`write_files` (or :meth:`write_file`) for its data files,
+         named by the engine ``data/<save_id>/...`` so a new save never overwrites files that the
+         committed metadata points at; local files are fsynced before the call returns;
+      2. after every rank has written, the coordinator calls :meth:`commit` once with the
+         encoded metadata: the checkpoint becomes visible to readers only then, atomically;
+      3. the engine may then :meth:`remove_files` data of older saves into the same directory.
+
+    Load protocol:
+      1. the coordinator calls :meth:`read_metadata_bytes` (refuses an uncommitted directory);
+      2. readers call :meth:`read_ranges` / :meth:`read_into` for exactly the bytes they need.
+
+    Every failure is a :class:`CheckpointError` naming the file involved.
+    """
+
+    def __init__(self, checkpoint_id: str | os.PathLike, storage_options: dict | None = None):
+        self.fs, self.path, self.url = open_fs(checkpoint_id, storage_options, "checkpoint_id")
+        self.storage_options: dict = dict(storage_options or {})
+        self._local = is_local(self.fs)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._needs_mkdir = not self._local and not _FLAT_PROTOCOLS.intersection(protocols)
+        self._made_dirs: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"CheckpointStorage({self.url!r})"
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.storage_options))
+
+    # ----------------------------------------------------------------- names
+
+    def _full(self, name: str) -> str:
+        return f"{self.path}/{check_name(name, self.url)}"
+
+    def file_url(self, name: str) -> str:
+        """The URL (or local path) of the file ``name`` of this checkpoint, as shown in messages."""
+        return f"{self.url}/{name}"
+
+    def _ensure_dir(self, directory: str) -> None:
+        if self._needs_mkdir and directory not in self._made_dirs:
+            self.fs.makedirs(directory, exist_ok=True)
+            self._made_dirs.add(directory)
+
+    # ----------------------------------------------------------------- writes
+
+    def write_file(self, name: str, buffers: Sequence[Any]) -> int:
+        """Write the concatenation of ``buffers`` to ``name``, durably; return the bytes written.
+
+        Buffers are written one after another (never joined into one copy). Local files are
+        flushed and fsynced, so the data is durable before the metadata commits.
+        """
+        path = self._full(name)
+        with contextlib.suppress(TypeError):
+            memoryview(buffers)  # a single buffer rather than a sequence of them
+            buffers = [buffers]
+        views = [byte_view(b) for b in buffers]
+        with translating("write", self.file_url(name)):
+            if self._local:
+                _local.write_durably(path, views)
+            else:
+                self._ensure_dir(path.rsplit("/", 1)[0])
+                with self.fs.open(path, "wb") as f:
+                    for view in views:
+                        f.write(view)
+        return sum(v.nbytes for v in views)
+
+    def write_files(self, files: Mapping[str, Sequence[Any]], max_workers: int = 8) -> dict[str, int]:
+        """Write several files in parallel (threads: file and network I/O release the GIL).
+
+        Returns ``{name: bytes written}``. If any write fails, the others still finish and one
+        CheckpointError lists every failed file.
+        """
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise CheckpointError(f"write_files: max_workers must be an integer >= 1, got {max_workers!r}")
+        items = list(files.items())
+        for name, _ in items:
+            check_name(name, self.url)
+        if not items:
+            return {}
+        with ThreadPoolExecutor(min(max_workers, len(items)), thread_name_prefix="raydcp-write") as pool:
+            futures = [(name, pool.submit(self.write_file, name, bufs)) for name, bufs in items]
+        written: dict[str, int] = {}
+        errors: list[CheckpointError] = []
+        for name, future in futures:
+            try:
+                written[name] = future.result()
+            except CheckpointError as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            lines = "\n  ".join(str(e) for e in errors)
+            raise CheckpointError(f"{len(errors)} of {len(items)} files could not be written to {self.url}:\n  {lines}")
+        return written
+
+    def commit(self, metadata: bytes) -> None:
+        """Publish ``metadata`` as METADATA_NAME atomically; call it last, after every data write.
+
+        Local: write a temporary file, fsync it, rename it over METADATA_NAME, fsync the directory.
+        Other filesystems: a single put (atomic on object stores). A failure or crash at any point
+        leaves the previously committed metadata, if any, intact and readable.
+        """
+        data = byte_view(metadata)
+        final = self._full(METADATA_NAME)
+        with translating("commit the metadata of", f"{self.url} (the previous commit, if any, is unchanged)"):
+            if self._local:
+                _local.publish_atomically(final, data)
+            else:
+                self._ensure_dir(self.path)
+                self.fs.pipe_file(final, bytes(data))
+                forget(self.fs, final)
+
+    # ----------------------------------------------------------------- reads
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Read byte ranges ``(start, end)`` (end exclusive) of ``name``; one view per range, in order.
+
+        Ranges that touch or overlap are read once together and sliced without copying; no byte
+        outside the requested ranges is read.
+        """
+        path = self._full(name)
+        plan = plan_ranges(ranges, self.file_url(name))
+        if not plan.spans:
+            return plan.slices([])
+        if self._local:
+            buffers = self._read_spans_local(name, path, plan)
+        else:
+            buffers = self._read_spans_remote(name, path, plan)
+        return plan.slices(buffers)
+
+    def _read_spans_local(self, name: str, path: str, plan: RangePlan) -> list[bytearray]:
+        # One open file and positional reads: fsspec's cat_ranges reopens the file per range.
+        with translating("read", self.file_url(name)):
+            fd = self._open_local(name, path)
+            try:
+                size = os.fstat(fd).st_size
+                if plan.end > size:
+                    raise truncated_file_error(self.file_url(name), size, plan.end, self.url)
+                buffers = []
+                for start, end in plan.spans:
+                    buf = bytearray(end - start)
+                    if pread_into(fd, memoryview(buf), start) < len(buf):
+                        raise truncated_file_error(self.file_url(name), os.fstat(fd).st_size, end, self.url)
+                    buffers.append(buf)
+                return buffers
+            finally:
+                os.close(fd)
+
+    def _read_spans_remote(self, name: str, path: str, plan: RangePlan) -> list[bytes]:
+        starts = [s for s, _ in plan.spans]
+        ends = [e for _, e in plan.spans]
+        try:
+            buffers = self.fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+        except Exception as exc:
+            raise self._read_failure(name, path, plan.end, exc) from exc
+        for (start, end), buf in zip(plan.spans, buffers):
+            if isinstance(buf, BaseException) or len(buf) != end - start:
+                cause = buf if isinstance(buf, BaseException) else None
+                raise self._read_failure(name, path, plan.end, cause) from cause
+        return buffers
+
+    def read_into(self, name: str, start: int, out: Any) -> None:
+        """Fill the writable buffer ``out`` (n bytes) with bytes ``[start, start + n)`` of ``name``.
+
+        Local files are read straight into ``out`` (no intermediate copy), e.g. a tensor's memory.
+        """
+        path = self._full(name)
+        view = byte_view(out, writable=True)
+        if not isinstance(start, int) or start < 0:
+            raise CheckpointError(f"read_into {self.file_url(name)}: start must be an integer >= 0, got {start!r}")
+        end = start + len(view)
+        if end == start:
+            return
+        if self._local:
+            with translating("read", self.file_url(name)):
+                fd = self._open_local(name, path)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size < end or pread_into(fd, view, start) < len(view):
+                        raise truncated_file_error(self.file_url(name), os.fstat(fd).st_size, end, self.url)
+                finally:
+                    os.close(fd)
+            return
+        try:
+            data = self.fs.cat_file(path, start=start, end=end)
+        except Exception as exc:
+            raise self._read_failure(name, path, end, exc) from exc
+        if len(data) != len(view):
+            raise self._read_failure(name, path, end, None)
+        view[:] = data
+
+    def read_file(self, name: str) -> bytes:
+        """The whole content of ``name``."""
+        path = self._full(name)
+        with translating("read", self.file_url(name)):
+            if self._local:
+                fd = self._open_local(name, path)
+                with open(fd, "rb", closefd=True) as f:
+                    return f.read()
+            try:
+                return self.fs.cat_file(path)
+            except FileNotFoundError:
+                raise missing_file_error(self.file_url(name), self.url) from None
+
+    def _open_local(self, name: str, path: str) -> int:
+        fd = _local.open_for_read(path)
+        if fd is None:
+            raise missing_file_error(self.file_url(name), self.url)
+        return fd
+
+    def _read_failure(self, name: str, path: str, needed_end: int, cause: BaseException | None) -> CheckpointError:
+        """Explain a failed remote read: missing file, truncated file, or an access problem."""
+        file_url = self.file_url(name)
+        try:
+            size = self._size(path)
+        except Exception:
+            size = -1  # unknown: report the original failure
+        if size is None:
+            return missing_file_error(file_url, self.url)
+        if 0 <= size < needed_end:
+            return truncated_file_error(file_url, size, needed_end, self.url)
+        reason = describe(cause) if cause is not None else "short read"
+        return CheckpointError(
+            f"could not read {file_url}: {reason}; check that the storage is reachable and that "
+            "storage_options carry valid credentials"
+        )
+
+    # ----------------------------------------------------------------- listing
+
+    def _size(self, path: str) -> int | None:
+        if self._local:
+            return _local.file_size(path)
+        forget(self.fs, path)
+        try:
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
+    def file_size(self, name: str) -> int | None:
+        """Size of ``name`` in bytes, or None if there is no such file."""
+        path = self._full(name)
+        with translating("look up", self.file_url(name)):
+            return self._size(path)
+
+    def exists(self, name: str) -> bool:
+        return self.file_size(name) is not None
+
+    def list_files(self, prefix: str = "") -> list[str]:
+        """Sorted relative names of every file under the directory whose name starts with ``prefix``."""
+        if prefix:
+            check_name(prefix.rstrip("/"), self.url)
+        sub = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = f"{self.path}/{sub}" if sub else self.path
+        root = self.path.rstrip("/") + "/"
+        with translating("list", self.url):
+            if self._local:
+                found = [
+                    f"{d}/{f}".replace(os.sep, "/") for d, _, files in os.walk(base) for f in files
+                ]
+            else:
+                forget(self.fs, self.path)
+                try:
+                    found = self.fs.find(base)
+                except FileNotFoundError:
+                    found = []
+        names = (p[len(root):] for p in found if p.startswith(root))
+        return sorted(n for n in names if n.startswith(prefix))
+
+    # ----------------------------------------------------------------- removal
+
+    def remove_files(self, names: Iterable[str]) -> None:
+        """Remove files of this checkpoint; names that do not exist are ignored."""
+        names = list(names)
+        paths = [self._full(n) for n in names]
+        if not paths:
+            return
+        with translating("remove files from", self.url):
+            if self._local:
+                parents = set()
+                for path in paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
+                    parents.add(os.path.dirname(path))
+                for parent in sorted(parents, key=len, reverse=True):
+                    _local.prune_empty_dirs(parent, self.path)
+                return
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError:
+                for path in paths:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(path)
+            finally:
+                forget(self.fs, self.path)
+
+    def delete(self) -> None:
+        """Remove the whole checkpoint directory; the metadata goes first, so a deletion that is
+        interrupted leaves an uncommitted directory rather than a committed, damaged checkpoint."""
+        meta = self._full(METADATA_NAME)
+        with translating("delete", self.url):
+            if self._local:
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    os.remove(meta)
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.rmtree(self.path)
+                return
+            forget(self.fs, self.path)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(meta)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.path, recursive=True)
+            forget(self.fs, self.path)
+
+    # ----------------------------------------------------------------- metadata
+
+    def is_committed(self) -> bool:
+        """True once :meth:`commit` has published the metadata."""
+        return self.file_size(METADATA_NAME) is not None
+
+    def read_metadata_bytes(self) -> bytes:
+        """The committed metadata; CheckpointError if the directory holds no committed checkpoint."""
+        try:
+            return self.read_file(METADATA_NAME)
+        except CheckpointError:
+            if self.is_committed():
+                raise
+        raise CheckpointError(
+            f"no committed raydcp checkpoint at {self.url} (missing {METADATA_NAME}): the save has "
+            "not committed yet, failed before committing, or the path is wrong; check the path, or "
+            "list the committed checkpoints under its parent with raydcp.storage.list_committed"
+        )
+
