@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import math
+import warnings
 from typing import Any
 
 import crc32c as _crc32c
+import numpy as np
 import torch
 
 from .errors import CheckpointError
@@ -64,14 +66,14 @@ def tensor_from_bytes(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Ten
     """A tensor viewing ``buf`` (bytes-like or uint8 tensor) as ``dtype`` with ``shape`` (no copy)."""
     if isinstance(buf, torch.Tensor):
         raw = buf
-    elif len(memoryview(buf)) == 0:
-        raw = torch.empty(0, dtype=torch.uint8)
     else:
-        import warnings
-
-        with warnings.catch_warnings():  # read-only buffers are only ever read from here
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(buf, dtype=torch.uint8)
+        view = memoryview(buf)
+        if len(view) == 0:
+            raw = torch.empty(0, dtype=torch.uint8)
+        else:
+            with warnings.catch_warnings():  # read-only buffers (object store) are only read from here
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.frombuffer(view, dtype=np.uint8))
     return raw.view(dtype_from_name(dtype)).reshape(shape)
 
 

@@ -1,0 +1,25 @@
+# Each target sets up ./.venv itself (Python 3.11, pinned versions in constraints.txt).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.raydcp-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) jobs/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/single_process.py
+	$(PY) bench/planning.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
