@@ -1,0 +1,248 @@
+"""The coordinator of one operation of one group: rendezvous, reduce, route.
+
+A plain class with ``async`` methods. ``raydcp.runtime.actors`` turns it into
+an async Ray actor named ``raydcp:<group>:<op>``; tests drive it directly from
+an asyncio loop. It never touches tensor data: exchanges pass ObjectRefs
+(opaque values here) from senders to receivers.
+
+Protocol, per operation (see ``raydcp.transport`` for the rank's side):
+
+1. Each rank calls :meth:`reduce_scatter` or :meth:`exchange` with a sequence
+   number ``seq`` (1, 2, ... per rank; all ranks make the same calls in the same
+   order, so a round is identified by ``seq``) and the step name.
+2. The round completes when all ``world_size`` ranks arrived: the coordinator
+   runs ``run_reduce`` (or routes the exchange) once and wakes every rank with
+   its own element. A rank waits at most ``timeout_s`` from its own arrival;
+   past it the operation *fails*: every waiting rank, and every rank that comes
+   later, gets one ``CheckpointError`` naming the missing ranks.
+3. Each rank calls :meth:`close` once, at the end (also after a failure). A rank
+   that closed while others still expect it in a round fails the operation at
+   once ("rank r left"), instead of letting them wait for the timeout.
+4. :meth:`close` returns True to the rank whose close finishes the coordinator
+   (every rank closed, or the operation failed and every rank that took part
+   closed); that rank then ends the actor. A failed coordinator also ends
+   itself ``timeout_s`` after the failure (:meth:`_schedule_exit`), so a retry
+   under the same group name gets a fresh one.
+
+Replies are ``(creator_rank, value)``: every rank learns which rank created the
+actor (its owner in Ray, whose death kills it), to name it if the actor dies.
+``value`` is the rank's result or a ``CheckpointError`` for the rank to raise.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import CheckpointError, RankFailure, raise_failures
+from ..transport import run_reduce
+
+__all__ = ["Coordinator"]
+
+_REDUCE = "reduce_scatter"
+_EXCHANGE = "exchange"
+
+
+@dataclass
+class _Round:
+    seq: int
+    kind: str
+    step: str
+    reduce_fn: Any = None
+    values: dict[int, Any] = field(default_factory=dict)
+    calls: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (kind, step)
+    results: list[Any] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def finish(self, results: list[Any]) -> None:
+        if self.results is None:
+            self.results = results
+            self.done.set()
+
+
+class Coordinator:
+    """Rendezvous point of the ranks of one operation of one group (see module doc)."""
+
+    def __init__(self, group_name: str, op: int, world_size: int, timeout_s: float, creator_rank: int | None = None):
+        self.group_name = group_name
+        self.op = op
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.creator_rank = creator_rank
+        self._rounds: dict[int, _Round] = {}
+        self._seen: set[int] = set()  # ranks that made at least one call
+        self._closed: dict[int, str] = {}  # rank -> last step it took part in
+        self._last_step: dict[int, str] = {}
+        self._failed: CheckpointError | None = None
+        self._finished = False
+
+    # -- the ranks' calls ---------------------------------------------------
+    async def reduce_scatter(self, rank: int, world_size: int, seq: int, step: str, local: Any, reduce_fn: Callable):
+        """Step 1-2 for the control plane: returns ``(creator_rank, value_for_rank)``."""
+        return await self._rendezvous(rank, world_size, seq, _REDUCE, step, local, reduce_fn)
+
+    async def exchange(self, rank: int, world_size: int, seq: int, step: str, outgoing: dict[int, list]):
+        """Step 1-2 for the data plane.
+
+        ``outgoing`` maps destination rank -> ``[(tag, ref), ...]``; each rank
+        gets back ``(creator_rank, [(src, tag, ref), ...])`` in source-rank order.
+        """
+        return await self._rendezvous(rank, world_size, seq, _EXCHANGE, step, outgoing, None)
+
+    async def close(self, rank: int) -> bool:
+        """Step 3-4: ``rank`` is done with this operation. True: end the actor now."""
+        if not self._valid_rank(rank) or rank in self._closed:
+            return False
+        self._closed[rank] = self._last_step.get(rank, "")
+        self._seen.add(rank)
+        for rnd in self._rounds.values():
+            if rnd.results is None and rank not in rnd.values:
+                self._fail(self._left_error(rank, rnd.step))
+                break
+        done = len(self._closed) == self.world_size or (
+            self._failed is not None and self._seen <= set(self._closed)
+        )
+        if done and not self._finished:
+            self._finished = True
+            # The closing rank ends the actor once this reply reached it; in case it
+            # cannot (it died just now), end it ourselves a little later.
+            self._schedule_exit(min(self.timeout_s, 30.0))
+            return True
+        return False
+
+    async def status(self) -> dict:
+        """A snapshot for tests and debugging."""
+        return {
+            "group": self.group_name,
+            "op": self.op,
+            "world_size": self.world_size,
+            "creator_rank": self.creator_rank,
+            "open_rounds": sorted(s for s, r in self._rounds.items() if r.results is None),
+            "closed": sorted(self._closed),
+            "failed": None if self._failed is None else str(self._failed),
+        }
+
+    # -- rendezvous ---------------------------------------------------------
+    async def _rendezvous(self, rank, world_size, seq, kind, step, value, reduce_fn):
+        arrived_at = time.monotonic()
+        err = self._check_call(rank, world_size, step)
+        if err is not None:  # a misconfigured rank fails the whole operation, not just itself
+            self._fail(err)
+            return self.creator_rank, self._failed
+        self._seen.add(rank)
+        self._last_step[rank] = step
+        if self._failed is not None:
+            return self.creator_rank, self._failed
+
+        rnd = self._rounds.get(seq)
+        if rnd is None:
+            rnd = self._rounds[seq] = _Round(seq, kind, step, reduce_fn)
+        if rank in rnd.values:
+            self._fail(CheckpointError(
+                f"{step}: rank {rank} of group '{self.group_name}' arrived twice at call {seq}; "
+                f"two processes use the same rank, or one rank reused a Group for a concurrent operation"
+            ))
+            return self.creator_rank, self._failed
+        rnd.values[rank] = value
+        rnd.calls[rank] = (kind, step)
+        if rnd.reduce_fn is None:
+            rnd.reduce_fn = reduce_fn
+        for gone in self._closed:
+            if gone not in rnd.values:
+                self._fail(self._left_error(gone, step))
+                return self.creator_rank, self._failed
+        if len(rnd.values) == self.world_size:
+            rnd.finish(self._complete(rnd))
+            self._rounds.pop(seq, None)
+
+        if rnd.results is None:
+            left = self.timeout_s - (time.monotonic() - arrived_at)
+            try:
+                await asyncio.wait_for(rnd.done.wait(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                if rnd.results is None:  # the round may have completed as the timer fired
+                    self._fail(self._timeout_error(rnd, rank))
+        return self.creator_rank, rnd.results[rank]
+
+    def _complete(self, rnd: _Round) -> list[Any]:
+        n = self.world_size
+        calls = [rnd.calls[r] for r in range(n)]
+        if len(set(calls)) > 1:
+            detail = ", ".join(f"rank {r}: {k} '{s}'" for r, (k, s) in enumerate(calls))
+            err = CheckpointError(
+                f"ranks of group '{self.group_name}' are out of step at call {rnd.seq} ({detail}); "
+                f"every rank must make the same raydcp calls in the same order"
+            )
+            return [err] * n
+        values = [rnd.values[r] for r in range(n)]
+        if rnd.kind == _REDUCE:
+            return run_reduce(rnd.step, values, rnd.reduce_fn)
+        return self._route(rnd.step, values)
+
+    def _route(self, step: str, outgoing_by_rank: list[Any]) -> list[Any]:
+        n = self.world_size
+        failures = [v for v in outgoing_by_rank if isinstance(v, RankFailure)]
+        if failures:  # a sender could not stage its buffers: everyone fails with its message
+            try:
+                raise_failures(step, failures)
+            except CheckpointError as err:
+                return [err] * n
+        inbox: list[list] = [[] for _ in range(n)]
+        for src, outgoing in enumerate(outgoing_by_rank):
+            for dest, items in outgoing.items():
+                if not isinstance(dest, int) or not 0 <= dest < n:
+                    err = CheckpointError(
+                        f"{step}: rank {src} addressed buffers to rank {dest!r}, outside group "
+                        f"'{self.group_name}' of {n} ranks"
+                    )
+                    return [err] * n
+                inbox[dest].extend((src, tag, ref) for tag, ref in items)
+        return inbox
+
+    # -- failure ------------------------------------------------------------
+    def _fail(self, err: CheckpointError) -> None:
+        """Fail the operation: every waiting rank, and every later call, gets ``err``."""
+        if self._failed is not None:
+            return
+        self._failed = err
+        for rnd in self._rounds.values():
+            rnd.finish([err] * self.world_size)
+        self._rounds.clear()
+        self._schedule_exit(self.timeout_s)
+
+    def _schedule_exit(self, delay_s: float) -> None:
+        """End the actor after ``delay_s`` (overridden by the actor; nothing to end here)."""
+
+    def _valid_rank(self, rank: Any) -> bool:
+        return isinstance(rank, int) and 0 <= rank < self.world_size
+
+    def _check_call(self, rank, world_size, step) -> CheckpointError | None:
+        where = f"group '{self.group_name}' (operation {self.op})"
+        if world_size != self.world_size:
+            return CheckpointError(
+                f"{step}: rank {rank} uses world_size {world_size} but {where} has world_size "
+                f"{self.world_size}; every rank must create its Group with the same world_size"
+            )
+        if not self._valid_rank(rank):
+            return CheckpointError(f"{step}: rank {rank!r} is outside {where} of {self.world_size} ranks")
+        if rank in self._closed:
+            return CheckpointError(f"{step}: rank {rank} already closed its transport for {where}")
+        return None
+
+    def _timeout_error(self, rnd: _Round, rank: int) -> CheckpointError:
+        missing = sorted(set(range(self.world_size)) - set(rnd.values))
+        msg = (
+            f"{rnd.step}: ranks {missing} of group '{self.group_name}' (operation {self.op}) did not arrive "
+            f"within {self.timeout_s:g}s (rank {rank} waited); check that those ranks are alive and call "
+            f"raydcp with the same group, or raise Group(timeout_s=...)"
+        )
+        return CheckpointError(msg, {r: f"did not arrive at step '{rnd.step}' within {self.timeout_s:g}s" for r in missing})
+
+    def _left_error(self, gone: int, step: str) -> CheckpointError:
+        after = self._closed.get(gone) or "its first step"
+        msg = (
+            f"{step}: rank {gone} of group '{self.group_name}' (operation {self.op}) left the operation "
+            f"after '{after}' (it closed its transport; see rank {gone}'s error), so '{step}' cannot complete"
+        )
+        return CheckpointError(msg, {gone: f"left after '{after}'"})

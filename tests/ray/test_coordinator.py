@@ -1,0 +1,186 @@
+"""The Coordinator as a plain class, driven from asyncio (no Ray)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+from raydcp.errors import CheckpointError, RankFailure
+from raydcp.runtime.coordinator import Coordinator
+
+from ._ranks import add_rank_sum, boom, buggy, gather_all, wrong_length
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def rs_all(c, seq, step, values, fn, ranks=None):
+    ranks = range(len(values)) if ranks is None else ranks
+    replies = await asyncio.gather(*(c.reduce_scatter(r, c.world_size, seq, step, values[r], fn) for r in ranks))
+    return [v for _, v in replies]
+
+
+def test_reduce_scatter_gives_each_rank_its_element():
+    async def main():
+        c = Coordinator("g", 0, 3, timeout_s=5, creator_rank=1)
+        out = await rs_all(c, 1, "plan", [1, 2, 3], add_rank_sum)
+        assert out == [7, 8, 9]
+        out = await rs_all(c, 2, "commit", ["a", "b", "c"], functools.partial(gather_all))
+        assert out == [["a", "b", "c"]] * 3
+        assert [await c.close(r) for r in range(3)] == [False, False, True]
+
+    run(main())
+
+
+def test_reply_names_creator():
+    async def main():
+        c = Coordinator("g", 0, 1, timeout_s=5, creator_rank=0)
+        assert await c.reduce_scatter(0, 1, 1, "s", 5, gather_all) == (0, [5])
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "values, fn, expect",
+    [
+        ([1, RankFailure(1, "disk full"), RankFailure(2, "no such key 'b'")], gather_all, "failed on 2 ranks"),
+        ([1, 2, 3], boom, "key 'w' has two shapes"),
+        ([1, 2, 3], buggy, "ZeroDivisionError"),
+        ([1, 2, 3], wrong_length, "internal error"),
+    ],
+)
+def test_failures_reach_every_rank(values, fn, expect):
+    async def main():
+        c = Coordinator("g", 0, 3, timeout_s=5)
+        out = await rs_all(c, 1, "plan", values, fn)
+        assert all(isinstance(e, CheckpointError) for e in out)
+        assert len({str(e) for e in out}) == 1 and expect in str(out[0])
+        if isinstance(values[1], RankFailure):
+            assert out[0].failures == {1: "disk full", 2: "no such key 'b'"}
+
+    run(main())
+
+
+def test_missing_rank_times_out_with_its_name_and_later_calls_fail_fast():
+    async def main():
+        c = Coordinator("trainer", 4, 3, timeout_s=0.3)
+        t0 = time.monotonic()
+        out = await rs_all(c, 1, "plan", [1, 2, 3], gather_all, ranks=[0, 1])
+        assert time.monotonic() - t0 < 2
+        for e in out:
+            assert isinstance(e, CheckpointError)
+            assert "ranks [2]" in str(e) and "'trainer'" in str(e) and "timeout_s" in str(e)
+            assert set(e.failures) == {2}
+        # the late rank learns at once that the operation failed
+        _, late = await c.reduce_scatter(2, 3, 1, "plan", 3, gather_all)
+        assert late is out[0]
+        assert [await c.close(r) for r in range(3)] == [False, False, True]
+
+    run(main())
+
+
+def test_rank_that_closed_fails_the_others_at_once():
+    async def main():
+        c = Coordinator("g", 0, 3, timeout_s=30)
+        await rs_all(c, 1, "plan", [1, 2, 3], gather_all)
+        waiting = asyncio.ensure_future(rs_all(c, 2, "write", [1, 2, 3], gather_all, ranks=[0, 1]))
+        await asyncio.sleep(0)  # let ranks 0 and 1 arrive
+        t0 = time.monotonic()
+        assert await c.close(2) is False
+        out = await waiting
+        assert time.monotonic() - t0 < 1
+        assert all("rank 2" in str(e) and "left the operation after 'plan'" in str(e) for e in out)
+        # failed, and every rank that took part closed: finished
+        assert [await c.close(0), await c.close(1)] == [False, True]
+
+    run(main())
+
+
+def test_rank_closed_before_a_round_starts_fails_that_round():
+    async def main():
+        c = Coordinator("g", 0, 2, timeout_s=30)
+        await c.close(1)
+        _, err = await c.reduce_scatter(0, 2, 1, "plan", 0, gather_all)
+        assert isinstance(err, CheckpointError) and "rank 1" in str(err)
+
+    run(main())
+
+
+def test_out_of_step_ranks_fail_together():
+    async def main():
+        c = Coordinator("g", 0, 2, timeout_s=5)
+        replies = await asyncio.gather(
+            c.reduce_scatter(0, 2, 1, "plan", 0, gather_all), c.exchange(1, 2, 1, "data", {})
+        )
+        errs = [v for _, v in replies]
+        assert all(isinstance(e, CheckpointError) and "out of step" in str(e) for e in errs)
+        assert "rank 1: exchange 'data'" in str(errs[0])
+
+    run(main())
+
+
+def test_wrong_world_size_or_duplicate_rank_fails_everyone():
+    async def main():
+        c = Coordinator("g", 0, 2, timeout_s=5)
+        waiting = asyncio.ensure_future(c.reduce_scatter(0, 2, 1, "plan", 0, gather_all))
+        await asyncio.sleep(0)
+        _, err = await c.reduce_scatter(1, 3, 1, "plan", 0, gather_all)
+        assert "world_size 3" in str(err)
+        assert (await waiting)[1] is err
+
+        c = Coordinator("g", 1, 2, timeout_s=5)
+        waiting = asyncio.ensure_future(c.reduce_scatter(0, 2, 1, "plan", 0, gather_all))
+        await asyncio.sleep(0)
+        _, err = await c.reduce_scatter(0, 2, 1, "plan", 0, gather_all)
+        assert "arrived twice" in str(err) and (await waiting)[1] is err
+
+    run(main())
+
+
+def test_exchange_routes_refs_by_destination_in_source_order():
+    async def main():
+        c = Coordinator("g", 0, 3, timeout_s=5)
+        outgoing = [
+            {0: [("a", "r0->0")], 2: [("b", "r0->2")]},
+            {2: [("c", "r1->2"), ("d", "r1->2'")]},
+            {0: [("e", "r2->0")], 2: [("f", None)]},
+        ]
+        replies = await asyncio.gather(*(c.exchange(r, 3, 1, "read", outgoing[r]) for r in (2, 0, 1)))
+        by_rank = {r: v for r, (_, v) in zip((2, 0, 1), replies)}
+        assert by_rank[0] == [(0, "a", "r0->0"), (2, "e", "r2->0")]
+        assert by_rank[1] == []
+        assert by_rank[2] == [(0, "b", "r0->2"), (1, "c", "r1->2"), (1, "d", "r1->2'"), (2, "f", None)]
+
+    run(main())
+
+
+def test_exchange_bad_destination_or_sender_failure_fails_everyone():
+    async def main():
+        c = Coordinator("g", 0, 2, timeout_s=5)
+        replies = await asyncio.gather(c.exchange(0, 2, 1, "read", {5: [("a", 1)]}), c.exchange(1, 2, 1, "read", {}))
+        assert all("rank 5" in str(v) and "outside group" in str(v) for _, v in replies)
+
+        c = Coordinator("g", 1, 2, timeout_s=5)
+        replies = await asyncio.gather(
+            c.exchange(0, 2, 1, "read", RankFailure(0, "object store full")), c.exchange(1, 2, 1, "read", {})
+        )
+        assert all("object store full" in str(v) for _, v in replies)
+
+    run(main())
+
+
+def test_status_snapshot():
+    async def main():
+        c = Coordinator("g", 7, 2, timeout_s=5, creator_rank=0)
+        waiting = asyncio.ensure_future(c.reduce_scatter(0, 2, 1, "plan", 0, gather_all))
+        await asyncio.sleep(0)
+        st = await c.status()
+        assert st["open_rounds"] == [1] and st["op"] == 7 and st["failed"] is None
+        await c.reduce_scatter(1, 2, 1, "plan", 0, gather_all)
+        await waiting
+        assert (await c.status())["open_rounds"] == []
+
+    run(main())
