@@ -1,0 +1,220 @@
+"""``RayTransport``: the transport protocol of ``raydcp.transport`` over Ray.
+
+Ranks are Ray actors or tasks (or the driver); the control plane goes through
+one coordinator actor per operation (``raydcp.runtime.coordinator``), the data
+plane through Ray's object store:
+
+1. ``RayTransport(group, op)`` (from ``Group.open_transport``) gets or creates
+   the coordinator actor ``raydcp:<group>:<op>`` in namespace ``raydcp``; the
+   first rank to get there creates it.
+2. ``reduce_scatter``: the rank sends its value to the coordinator and blocks on
+   the reply; the coordinator bounds the wait by ``group.timeout_s``.
+3. ``exchange``: the sender puts each buffer into the object store as an Arrow
+   buffer and sends only the ObjectRefs (nested in lists, so Ray does not
+   resolve them on the way) through the coordinator; each receiver fetches all
+   of its refs with one ``ray.get`` and gets zero-copy ``pyarrow.Buffer`` views
+   of shared memory (buffers to itself skip the object store). The sender keeps
+   the refs, and so the objects, alive until its next ``reduce_scatter`` returns.
+4. ``close`` drops the refs and tells the coordinator; the rank whose close
+   finishes the operation ends the coordinator actor.
+
+A group of one rank needs no coordinator and runs everything in-process.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import ray
+import torch
+from ray import exceptions as rex
+
+from ..errors import CheckpointError, RankFailure
+from ..transport import Transport, _unwrap, run_reduce
+from . import actors
+
+__all__ = ["RayTransport"]
+
+# Slack on top of timeout_s for the driver-side wait on the coordinator, which
+# itself answers within timeout_s of a rank's arrival; this only catches a
+# coordinator that cannot answer at all (e.g. never scheduled).
+_REPLY_GRACE_S = 30.0
+
+
+def _as_buffer(buf: Any) -> pa.Buffer:
+    """A zero-copy Arrow view of a contiguous uint8 host tensor (copied to host if needed)."""
+    if isinstance(buf, torch.Tensor):
+        t = buf.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous().reshape(-1)
+        if t.dtype != torch.uint8:
+            t = t.view(torch.uint8)
+        return pa.py_buffer(t.numpy())
+    return pa.py_buffer(buf)
+
+
+class RayTransport(Transport):
+    """The transport of one operation of a :class:`raydcp.Group` whose ranks run on Ray."""
+
+    def __init__(self, group, op: int):
+        self.group = group
+        self.op = op
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self._timeout_s = float(group.timeout_s)
+        self._seq = 0
+        self._held: list[ray.ObjectRef] = []
+        self._closed = False
+        self._creator: int | None = None
+        self._coord = None
+        if self.world_size > 1:
+            self._coord = actors.get_or_create_coordinator(
+                group.name, op, self.world_size, self._timeout_s, self.rank
+            )
+
+    @property
+    def coordinator_name(self) -> str:
+        return actors.coordinator_name(self.group.name, self.op)
+
+    # -- control plane --------------------------------------------------------
+    def reduce_scatter(self, step, local, reduce_fn):
+        self._check_open(step)
+        self._seq += 1
+        if self._coord is None:
+            value = run_reduce(step, [local], reduce_fn)[0]
+        else:
+            value = self._call(step, "reduce_scatter", local, reduce_fn)
+        out = _unwrap(value)
+        # Every rank passed this barrier, so every consumer has copied what we sent.
+        self._held.clear()
+        return out
+
+    # -- data plane -----------------------------------------------------------
+    def exchange(self, step, outgoing):
+        self._check_open(step)
+        self._seq += 1
+        if self._coord is None:
+            bad = [d for d in outgoing if d != 0]
+            if bad:
+                raise CheckpointError(f"{step}: destination ranks {bad} do not exist in a group of 1")
+            return [(tag, _as_buffer(buf)) for tag, buf in outgoing.get(0, [])]
+
+        to_self: list[pa.Buffer] = []
+        try:
+            routed: dict[int, list] = {}
+            for dest, items in outgoing.items():
+                entries = []
+                for tag, buf in items:
+                    if dest == self.rank:
+                        to_self.append(_as_buffer(buf))
+                        entries.append((tag, None))
+                    else:
+                        ref = ray.put(_as_buffer(buf))
+                        self._held.append(ref)
+                        entries.append((tag, ref))
+                routed[dest] = entries
+            payload: Any = routed
+        except Exception as exc:  # e.g. object store full: fail every rank together, not by timeout
+            payload = RankFailure.from_exception(self.rank, exc)
+        inbox = _unwrap(self._call(step, "exchange", payload))
+        return self._fetch(step, inbox, to_self)
+
+    def _fetch(self, step, inbox, to_self):
+        remote = [(src, ref) for src, _, ref in inbox if src != self.rank]
+        try:
+            fetched = ray.get([ref for _, ref in remote], timeout=self._timeout_s) if remote else []
+        except (rex.GetTimeoutError, rex.RayError) as exc:
+            raise self._fetch_error(step, remote, exc) from None
+        fetched_it, self_it = iter(fetched), iter(to_self)
+        return [(tag, next(self_it) if src == self.rank else next(fetched_it)) for src, tag, _ in inbox]
+
+    def _fetch_error(self, step, remote, exc) -> CheckpointError:
+        # Find which senders' buffers are unavailable, to name them.
+        bad = []
+        for src in sorted({s for s, _ in remote}):
+            refs = [r for s, r in remote if s == src]
+            try:
+                ray.get(refs, timeout=1.0)
+            except Exception:
+                bad.append(src)
+        kind = "did not arrive within %gs" % self._timeout_s if isinstance(exc, rex.GetTimeoutError) else "are lost"
+        msg = (
+            f"{step}: rank {self.rank} of group '{self.group.name}' could not fetch buffers from ranks "
+            f"{bad or sorted({s for s, _ in remote})}: they {kind} (a sending rank probably died or its node "
+            f"is unreachable; {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        )
+        return CheckpointError(msg, {r: "buffers unavailable" for r in bad})
+
+    # -- end ------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._held.clear()
+        if self._coord is None:
+            return
+        coord, self._coord = self._coord, None
+        try:
+            finished = ray.get(coord.close.remote(self.rank), timeout=min(self._timeout_s, 30.0))
+        except Exception:  # the coordinator is gone already, or unreachable: nothing to release
+            return
+        if finished:
+            try:
+                ray.kill(coord, no_restart=True)
+            except Exception:
+                pass
+        else:
+            actors.retain_coordinator(coord)
+
+    # -- helpers ----------------------------------------------------------------
+    def _check_open(self, step):
+        if self._closed:
+            raise CheckpointError(f"{step}: the transport of group '{self.group.name}' operation {self.op} is closed")
+
+    def _call(self, step: str, method: str, *args):
+        """One call to the coordinator: returns the rank's value (possibly a CheckpointError)."""
+        remote = getattr(self._coord, method).remote
+        try:
+            ref = remote(self.rank, self.world_size, self._seq, step, *args)
+        except Exception as exc:  # the value could not be serialized: still take part, as a failure
+            failure = RankFailure(self.rank, f"could not send its value to the coordinator: {type(exc).__name__}: {exc}")
+            extra = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
+            ref = remote(self.rank, self.world_size, self._seq, step, failure, *extra)
+        try:
+            self._creator, value = ray.get(ref, timeout=self._timeout_s + _REPLY_GRACE_S)
+            return value
+        except rex.GetTimeoutError:
+            return CheckpointError(
+                f"{step}: the coordinator {self.coordinator_name!r} did not answer rank {self.rank} within "
+                f"{self._timeout_s + _REPLY_GRACE_S:g}s; is the Ray cluster overloaded?"
+            )
+        except rex.RayActorError as exc:
+            return self._coordinator_died(step, exc)
+        except rex.RayTaskError as exc:
+            return CheckpointError(f"{step}: the coordinator {self.coordinator_name!r} failed: {exc}")
+
+    def _coordinator_died(self, step: str, exc: BaseException) -> CheckpointError:
+        where = f"group '{self.group.name}' (operation {self.op})"
+        cause = str(exc)
+        if "killed by `ray.kill`" in cause or "killed by ray.kill" in cause:
+            # The other ranks closed the operation without this rank: it failed while this rank was late.
+            return CheckpointError(
+                f"{step}: the coordinator of {where} is gone: the other ranks already ended the operation "
+                f"(it failed while rank {self.rank} was late; see their errors), or it was killed"
+            )
+        if "owner has died" in cause:
+            if self._creator is not None and self._creator != self.rank:
+                msg = (
+                    f"{step}: the coordinator of {where} died with the rank that created it: rank "
+                    f"{self._creator} died; check rank {self._creator}'s log"
+                )
+                return CheckpointError(msg, {self._creator: "died (its coordinator died with it)"})
+            return CheckpointError(
+                f"{step}: the coordinator of {where} died with the rank that created it, which died "
+                f"before rank {self.rank} learned which rank that was; check the ranks' logs"
+            )
+        return CheckpointError(
+            f"{step}: the coordinator of {where} died (rank {self.rank} was waiting); a rank or node of the "
+            f"group probably died; check the ranks' logs ({cause.splitlines()[-1] if cause else type(exc).__name__})"
+        )
