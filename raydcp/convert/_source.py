@@ -1,0 +1,113 @@
+"""Reading a raydcp checkpoint as whole tensors, a bounded group at a time.
+
+Every exporter and ``raydcp diff`` read through :class:`TensorSource`: it plans groups of keys
+whose bytes add up to at most ``budget_bytes`` (a tensor larger than the budget forms a group of
+its own) and loads each group with one ``raydcp.load`` call into freshly allocated full tensors.
+Only one group is held at a time, so the memory an export needs is about
+``max(budget_bytes, largest tensor)`` plus what the output format itself buffers.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from ..codec import dtype_from_name
+from ..engine import load, read_metadata
+from ..errors import CheckpointError
+from ..metadata import Metadata, TensorMeta
+from ..planner import numel
+
+__all__ = ["DEFAULT_BUDGET", "Progress", "TensorSource", "parse_size", "tensor_nbytes"]
+
+DEFAULT_BUDGET = 1 << 30
+Progress = Callable[[int, int], None]  # (bytes done, bytes in total)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"5GB"`` (10**9 units, as Hugging Face uses), ``"512MiB"`` (2**20) or ``1000``."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        s = str(text).strip().lower().replace("_", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz").strip()
+        unit = s[len(num):].strip()
+        try:
+            value = int(float(num) * _UNITS[unit])
+        except (KeyError, ValueError):
+            raise CheckpointError(
+                f"invalid size {text!r}: use a number of bytes with an optional unit, e.g. 5GB, 100MB, 512MiB"
+            ) from None
+    if value < 1:
+        raise CheckpointError(f"invalid size {text!r}: it must be at least 1 byte")
+    return value
+
+
+def tensor_nbytes(tm: TensorMeta) -> int:
+    """Bytes of the whole tensor (not of its stored pieces, which could in principle overlap)."""
+    return numel(tm.shape) * dtype_from_name(tm.dtype).itemsize
+
+
+class TensorSource:
+    """A committed raydcp checkpoint, read as whole tensors in bounded groups."""
+
+    def __init__(self, checkpoint_id, storage_options: dict | None = None, *,
+                 budget_bytes: int = DEFAULT_BUDGET, metadata: Metadata | None = None):
+        if not isinstance(budget_bytes, int) or budget_bytes < 1:
+            raise CheckpointError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        self.checkpoint_id = checkpoint_id
+        self.storage_options = storage_options
+        self.budget = budget_bytes
+        self.metadata = metadata if metadata is not None else read_metadata(checkpoint_id, storage_options=storage_options)
+
+    @property
+    def keys(self) -> list[str]:
+        return sorted(self.metadata.tensors)
+
+    def nbytes(self, keys: Iterable[str] | None = None) -> int:
+        tensors = self.metadata.tensors
+        return sum(tensor_nbytes(tensors[k]) for k in (self.keys if keys is None else keys))
+
+    def groups(self, keys: Sequence[str]) -> list[list[str]]:
+        """``keys`` (in order) cut into consecutive groups of at most the budget in bytes."""
+        out: list[list[str]] = []
+        size = 0
+        for key in keys:
+            n = tensor_nbytes(self.metadata.tensors[key])
+            if not out or (out[-1] and size + n > self.budget):
+                out.append([])
+                size = 0
+            out[-1].append(key)
+            size += n
+        return [g for g in out if g]
+
+    def load_group(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Whole tensors for ``keys``, freshly allocated and filled by ``raydcp.load``."""
+        tensors = self.metadata.tensors
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise CheckpointError(f"{self.checkpoint_id}: no tensor named {', '.join(missing[:5])} in the checkpoint")
+        out = {k: torch.empty(tensors[k].shape, dtype=dtype_from_name(tensors[k].dtype)) for k in keys}
+        if out:
+            load(out, self.checkpoint_id, strict=False, storage_options=self.storage_options)
+        return out
+
+    def iter_tensors(self, keys: Sequence[str] | None = None,
+                     progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(key, whole tensor)`` in ``keys`` order (all tensors, sorted, by default)."""
+        keys = self.keys if keys is None else list(keys)
+        total, done = self.nbytes(keys), 0
+        if progress:
+            progress(0, total)
+        for group in self.groups(keys):
+            loaded = self.load_group(group)
+            for key in group:
+                t = loaded.pop(key)
+                yield key, t
+                done += t.numel() * t.element_size()
+                if progress:
+                    progress(done, total)
