@@ -1,0 +1,73 @@
+"""The ``raydcp`` command line: ``main(argv)`` and its subcommands.
+
+Subcommands register themselves in :mod:`raydcp.cli._registry`; the modules listed in
+``BUILTIN_MODULES`` are imported to build the parser. To add one (``reshard``, ``status``), write
+``raydcp/cli/<name>_cmd.py`` registering a :class:`Command` and add the module to the list.
+Exit statuses and output conventions: :mod:`raydcp.cli._common`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from ..errors import CheckpointError
+from ._common import EXIT_ERROR, EXIT_INTERNAL, one_line
+from ._registry import Command, register, registered
+
+__all__ = ["main", "build_parser", "Command", "register", "BUILTIN_MODULES"]
+
+BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    for module in BUILTIN_MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+    parser = argparse.ArgumentParser(
+        prog="raydcp", description="Inspect, verify, compare and convert raydcp checkpoints.",
+        epilog="Exit status: 0 success; 1 damage (verify) or differences (diff) found; 2 error; "
+               "3 internal error. Every PATH is a local path or an fsspec URL.",
+    )
+    parser.add_argument("--version", action="version", version=f"raydcp {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, cmd in registered().items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.description or cmd.help)
+        cmd.configure(p)
+        p.set_defaults(_command=cmd)
+    return parser
+
+
+def _fail(status: int, message: str) -> int:
+    try:
+        sys.stderr.write(f"raydcp: error: {one_line(message)}\n")
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script exits with it)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    command: Command = args._command
+    try:
+        return command.run(args)
+    except CheckpointError as exc:
+        return _fail(EXIT_ERROR, str(exc))
+    except KeyboardInterrupt:
+        return _fail(130, "interrupted")
+    except BrokenPipeError:  # stdout closed early (| head): not an error of the command
+        return EXIT_ERROR
+    except Exception as exc:
+        if args.debug:
+            raise
+        return _fail(EXIT_INTERNAL, f"unexpected {type(exc).__name__} in `raydcp {command.name}`: {exc} "
+                                    "(a bug in raydcp: rerun with --debug for the traceback and report it)")

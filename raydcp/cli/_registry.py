@@ -1,0 +1,44 @@
+"""The registry of ``raydcp`` subcommands.
+
+A subcommand is a module of this package that registers one :class:`Command` when imported:
+
+    COMMAND = register(Command("status", "show a checkpoint's pipeline stages", configure, run))
+
+and whose name is listed in ``BUILTIN_MODULES`` (``raydcp/cli/__init__.py``). ``configure`` adds
+the subcommand's arguments to its argparse parser; ``run`` gets the parsed arguments and returns
+the exit status (see ``raydcp.cli._common`` for the conventions). Modules are imported on every
+invocation to build the parser, so they import heavy or optional dependencies (Ray, torch DCP)
+inside ``run``, never at module level.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["Command", "register", "registered"]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str                                              # one line, shown in `raydcp --help`
+    configure: Callable[[argparse.ArgumentParser], None]   # adds the subcommand's arguments
+    run: Callable[[argparse.Namespace], int]               # returns the exit status
+    description: str = ""                                  # longer text for `raydcp NAME --help`
+
+
+_COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> Command:
+    """Add ``command`` (a name may be registered once) and return it."""
+    existing = _COMMANDS.get(command.name)
+    if existing is not None and existing is not command:
+        raise ValueError(f"raydcp subcommand {command.name!r} is registered twice")
+    _COMMANDS[command.name] = command
+    return command
+
+
+def registered() -> dict[str, Command]:
+    return dict(_COMMANDS)

@@ -1,0 +1,81 @@
+"""``raydcp convert SRC DST --to FORMAT`` and ``raydcp convert SRC DST --from torch-dcp``."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..errors import CheckpointError
+from ._common import EXIT_OK, add_storage_options, human_bytes, print_json, progress_bar, stderr, stdout, \
+    storage_options
+from ._registry import Command, register
+
+__all__ = ["COMMAND"]
+
+TO_FORMATS = ("torch-dcp", "safetensors", "torch-save")
+FROM_FORMATS = ("torch-dcp",)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="the checkpoint to convert (local path or fsspec URL)")
+    parser.add_argument("dst", help="where to write the converted checkpoint")
+    way = parser.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=TO_FORMATS, help="convert the raydcp checkpoint SRC to this format")
+    way.add_argument("--from", dest="from_", choices=FROM_FORMATS,
+                     help="convert SRC, in this format, to a raydcp checkpoint")
+    parser.add_argument("--max-shard-size", metavar="SIZE", default=None,
+                        help="safetensors: largest shard, e.g. 5GB (the default), 100MB, 512MiB")
+    parser.add_argument("--memory-budget", metavar="SIZE", default="1GiB",
+                        help="torch-dcp and torch-save: bytes of tensors loaded at a time (default 1GiB; "
+                             "a larger tensor is loaded alone)")
+    parser.add_argument("--overwrite", action="store_true", help="replace what DST already holds")
+    parser.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
+    parser.add_argument("--json", action="store_true", help="print what was written as JSON")
+    add_storage_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import convert
+
+    opts = storage_options(args)
+    if args.max_shard_size is not None and args.to != "safetensors":
+        raise CheckpointError("--max-shard-size applies only to --to safetensors")
+    budget = convert.parse_size(args.memory_budget)
+    fmt = args.to or f"raydcp (from {args.from_})"
+    t0 = time.perf_counter()
+    with progress_bar(f"convert to {args.to or 'raydcp'}", enabled=not args.no_progress) as progress:
+        common = dict(storage_options=opts, overwrite=args.overwrite, progress=progress)
+        if args.from_ == "torch-dcp":
+            result = convert.from_torch_dcp(args.src, args.dst, **common)
+        elif args.to == "torch-dcp":
+            result = convert.to_torch_dcp(args.src, args.dst, budget_bytes=budget, **common)
+        elif args.to == "safetensors":
+            shard = convert.parse_size(args.max_shard_size or "5GB")
+            result = convert.to_safetensors(args.src, args.dst, max_shard_bytes=shard, **common)
+        else:
+            result = convert.to_torch_save(args.src, args.dst, budget_bytes=budget, **common)
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print_json({"src": result.src, "dst": result.dst, "format": result.fmt, "tensors": result.tensors,
+                    "values": result.values, "bytes": result.nbytes, "files": result.files,
+                    "skipped": result.skipped, "seconds": round(seconds, 6)})
+    else:
+        from rich.markup import escape
+
+        stdout().print(escape(
+            f"converted {result.src} -> {result.dst} ({fmt}): {result.tensors} tensors "
+            f"({human_bytes(result.nbytes)}), {result.values} plain values in {seconds:.2f} s"))
+    if result.skipped:
+        err = stderr()
+        for key, why in sorted(result.skipped.items()):
+            err.print(f"raydcp convert: skipped {key}: {why}", markup=False)
+    return EXIT_OK
+
+
+COMMAND = register(Command(
+    "convert", "convert to torch DCP, safetensors or torch.save, or from torch DCP", configure, run,
+    description="--to torch-dcp writes with torch's own dcp.save (torch's dcp.load reads it); --to "
+                "safetensors writes Hugging Face style model-0000i-of-0000N.safetensors shards and "
+                "model.safetensors.index.json; --to torch-save writes one torch.save file of a flat "
+                "{fqn: tensor or value} dict; --from torch-dcp reads a DCP checkpoint (its metadata "
+                "only through a restricted unpickler) and saves it as a raydcp checkpoint.",
+))
