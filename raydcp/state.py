@@ -15,6 +15,7 @@ list without tensors is one plain value.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -83,11 +84,8 @@ class FlatState:
 
 
 def _is_dtensor(x: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(x, DTensor)
+    mod = sys.modules.get("torch.distributed.tensor")  # never imported: nothing can be a DTensor
+    return mod is not None and isinstance(x, mod.DTensor)
 
 
 def _dtensor_leaf(fqn: str, t: Any) -> TensorLeaf | None:

@@ -5,19 +5,16 @@ The engine never imports Ray: ``group=None`` uses the in-process transport, a
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
-import threading
 from typing import Any
 
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError
 from ..group import Group
 from ..metadata import Metadata
-from ..planner import SavePlanOptions
-from ..state import flatten_state
 from ..transport import LocalTransport, Transport
+from .background import SaveFuture, start_async_save
 from .load import LoadStats, load_with, read_metadata, transfer_with
-from .save import local_save_plan, save_with
+from .save import save_with
 
 __all__ = ["save", "load", "async_save", "read_metadata", "transfer", "LoadStats", "SaveFuture"]
 
@@ -69,56 +66,16 @@ def transfer(source_state: dict | None, dest_state: dict | None, *, group: Group
         transport.close()
 
 
-class SaveFuture:
-    """The result of :func:`async_save`: ``result(timeout)`` -> Metadata or the save's error."""
-
-    def __init__(self, future: cf.Future):
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Metadata:
-        try:
-            return self._future.result(timeout)
-        except cf.TimeoutError:
-            raise CheckpointError(f"async save not finished within {timeout}s; call result() again to keep waiting") from None
-
-
-_persist_lock = threading.Lock()
-_persister: cf.ThreadPoolExecutor | None = None
-_last: cf.Future | None = None
-
-
 def async_save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
-               storage_options: dict | None = None) -> SaveFuture:
+               storage_options: dict | None = None, max_staging_bytes: int | None = None) -> SaveFuture:
     """Stage ``state_dict`` to host memory, return, and persist it in the background.
 
-    Returns once every tensor is copied, so later in-place updates do not leak
-    in. Saves stay ordered: a second call waits until the previous one finished.
+    Returns once every piece is copied (later in-place updates do not leak in);
+    the writing runs in a helper process (``group=None``) or a persister actor
+    beside this rank (a Ray group), never on this process's GIL. Saves stay
+    ordered: a call waits until the previous one finished. ``max_staging_bytes``
+    (default: ``RAYDCP_MAX_STAGING_BYTES`` or unlimited) caps the staging memory;
+    above it the state is staged and written in pieces, and the call returns
+    when the last piece is staged.
     """
-    global _persister, _last
-    ckpt = _checkpoint_id(checkpoint_id)
-    with _persist_lock:
-        if _last is not None:
-            cf.wait([_last])
-        if _persister is None:
-            _persister = cf.ThreadPoolExecutor(1, thread_name_prefix="raydcp-persist")
-        transport = _open(group)
-        try:
-            staged = local_save_plan(transport.rank, flatten_state(state_dict),
-                                     compare_replicas=transport.world_size > 1, copy=True)
-        except Exception as exc:
-            staged = None
-            failure = RankFailure.from_exception(transport.rank, exc)
-
-        def persist() -> Metadata:
-            try:
-                if staged is None:  # still take part, so the other ranks fail instead of waiting
-                    transport.reduce_scatter("save: plan", failure, lambda v: v)
-                return save_with(transport, state_dict, ckpt, storage_options, SavePlanOptions(), staged)
-            finally:
-                transport.close()
-
-        _last = _persister.submit(persist)
-        return SaveFuture(_last)
+    return start_async_save(state_dict, _checkpoint_id(checkpoint_id), group, storage_options, max_staging_bytes)

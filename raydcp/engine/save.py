@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codec import checksum, tensor_bytes
+from ..codec import checksum
 from ..errors import CheckpointError, RankFailure
 from ..metadata import ChunkMeta, Metadata, TensorMeta, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
@@ -22,23 +22,25 @@ _ZEROS = bytes(ALIGN)
 
 
 class StagedState:
-    """A rank's pieces as host byte views, ready to write (the 'staged' stage of a checkpoint)."""
+    """A rank's local plan and one flat uint8 view per piece (on the piece's device until staged)."""
 
     def __init__(self, plan: LocalSavePlan, data: list[torch.Tensor]):
         self.plan = plan
-        self.data = data  # uint8 host views, one per plan item
+        self.data = data
 
 
-def local_save_plan(rank: int, flat: FlatState, *, compare_replicas: bool, copy: bool = False) -> StagedState:
-    """Describe and stage what this rank holds. ``copy`` snapshots host tensors too (async save)."""
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def local_save_plan(rank: int, flat: FlatState, *, compare_replicas: bool) -> StagedState:
+    """Describe what this rank holds. Replicas get a checksum where that is cheap (host tensors)."""
     tensors, items, data = {}, [], []
     for fqn in sorted(flat.tensors):
         leaf = flat.tensors[fqn]
         tensors[fqn] = TensorSpec(leaf.dtype, leaf.global_shape)
-        raw = tensor_bytes(leaf.tensor)
-        if copy and raw.untyped_storage().data_ptr() == leaf.tensor.untyped_storage().data_ptr():
-            raw = raw.clone()
-        crc = checksum(raw) if compare_replicas and leaf.replicable and leaf.tensor.device.type == "cpu" else None
+        raw = _byte_view(leaf.tensor)
+        crc = checksum(raw) if compare_replicas and leaf.replicable and raw.device.type == "cpu" else None
         items.append(WriteItem(fqn, leaf.offsets, tuple(leaf.tensor.shape), raw.numel(), crc))
         data.append(raw)
     return StagedState(LocalSavePlan(rank, tensors, tuple(items), dict(flat.values)), data)
@@ -62,7 +64,7 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
                 bufs.append(_ZEROS[: slot.byte_offset - pos])
             raw = staged.data[slot.item]
             item = staged.plan.items[slot.item]
-            buf = raw.numpy()
+            buf = (raw if raw.device.type == "cpu" else raw.cpu()).numpy()
             bufs.append(buf)
             crc = item.checksum if item.checksum is not None else checksum(buf)
             records.append((item.key, item.offsets, item.sizes, name, slot.byte_offset, item.nbytes, crc))

@@ -1,0 +1,100 @@
+"""Persisting staged checkpoints in a helper process, so the trainer's GIL is never contended.
+
+Protocol (parent = the training process, helper = ``python -m raydcp.engine.persist_worker``):
+
+1. The parent stages pieces into a shared-memory arena (:class:`StagingArena`)
+   and sends a job: the write plan of some files, where each piece sits in the
+   arena, and -- for the last job of a save -- the header to commit.
+2. The helper attaches to the arena by name, writes the files (fsync), and for
+   the last job writes the metadata last, atomically. It answers with the
+   storage records (or the Metadata, or an error message).
+3. A watcher thread in the parent (blocked on the pipe, not on the GIL) resolves
+   the job's future; if the helper dies, every pending future fails with a
+   CheckpointError and the next save starts a new helper.
+
+Only raydcp's own plans and records cross the pipe; checkpoint data never does.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import os
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..errors import CheckpointError
+
+__all__ = ["HelperPersister"]
+
+
+class HelperPersister:
+    """One helper process per training process, started on first use and reused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._pending: dict[int, cf.Future] = {}
+        self._ids = itertools.count()
+
+    def _ensure(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "raydcp.engine.persist_worker", str(to_child_r), str(to_parent_w)],
+            pass_fds=(to_child_r, to_parent_w), close_fds=True,
+        )
+        os.close(to_child_r)
+        os.close(to_parent_w)
+        self._conn = Connection(to_child_w, readable=False)
+        reader = Connection(to_parent_r, writable=False)
+        threading.Thread(target=self._watch, args=(self._proc, reader), daemon=True,
+                         name="raydcp-persist-watch").start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def submit(self, job: dict) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            self._ensure()
+            job_id = next(self._ids)
+            self._pending[job_id] = fut
+            try:
+                self._conn.send({**job, "id": job_id})
+            except OSError as exc:
+                self._pending.pop(job_id)
+                fut.set_exception(CheckpointError(f"the persisting helper process is gone ({exc}); retry the save"))
+        return fut
+
+    def _watch(self, proc: subprocess.Popen, reader: Connection) -> None:
+        while True:
+            try:
+                job_id, ok, result = reader.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                fut = self._pending.pop(job_id, None)
+            if fut is not None:
+                if ok:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(CheckpointError(result))
+        code = proc.wait()
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(CheckpointError(
+                f"the process persisting the checkpoint died (exit status {code}) before it committed; "
+                f"nothing was committed and the previous checkpoint at that path is intact: save again"))
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._conn.close()
+            self._proc.wait(timeout=30)

@@ -1,0 +1,101 @@
+"""Staging: copying a rank's pieces into a reusable host arena -- the only part of an async
+save the training loop waits for.
+
+The arena is kept between saves and grows only when a save needs more, so a steady
+training run allocates staging memory once. On CUDA it is pinned and filled with
+non-blocking copies on a side stream (synchronized before staging returns, so the
+snapshot is complete); on the host the copies are plain memcpys. With
+``shared=True`` it lives in shared memory, so a helper process writes it to
+storage without another copy.
+"""
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import torch
+
+from ..planner.save import ALIGN
+from .save import StagedState
+
+
+def _register_pinned(buf: torch.Tensor) -> bool:
+    """Page-lock a shared-memory arena so device-to-host copies can run asynchronously."""
+    return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0) == 0
+
+__all__ = ["StagingArena"]
+
+
+class StagingArena:
+    def __init__(self, *, shared: bool = False):
+        self.shared = shared
+        self.buffer: torch.Tensor | None = None
+        self.shm: shared_memory.SharedMemory | None = None
+        self.allocations = 0  # how many times the arena was (re)allocated
+
+    @property
+    def shm_name(self) -> str | None:
+        return self.shm.name if self.shm is not None else None
+
+    def _reserve(self, nbytes: int, pin: bool, limit: int | None) -> torch.Tensor:
+        fits = self.buffer is not None and nbytes <= self.buffer.numel() <= (limit or self.buffer.numel())
+        if fits and (self.pinned or not pin):
+            return self.buffer
+        self.close()
+        size = max(nbytes, ALIGN)
+        if self.shared:
+            self.shm = shared_memory.SharedMemory(create=True, size=size)
+            self.buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=size)
+            self.pinned = pin and _register_pinned(self.buffer)
+        else:
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self.pinned = pin
+        self.allocations += 1
+        return self.buffer
+
+    pinned = False
+
+    def close(self) -> None:
+        """Free the arena (a later save allocates a new one)."""
+        if self.buffer is not None and self.shared and self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer = None
+        if self.shm is not None:
+            self.shm.unlink()
+            try:
+                self.shm.close()
+            except BufferError:  # views of the old arena are still alive; the mapping goes with them
+                pass
+            self.shm = None
+
+    def stage(self, staged: StagedState, indices: list[int], limit: int | None = None) -> dict[int, tuple[int, int]]:
+        """Copy pieces ``indices`` into the arena and point ``staged.data`` at the copies.
+
+        ``limit`` shrinks an arena left larger by earlier saves. Returns item
+        index -> (offset, nbytes) in the arena.
+        """
+        layout: dict[int, tuple[int, int]] = {}
+        pos = 0
+        for i in indices:
+            n = staged.data[i].numel()
+            layout[i] = (pos, n)
+            pos += -(-n // ALIGN) * ALIGN
+        on_device = [i for i in indices if staged.data[i].device.type != "cpu"]
+        pin = bool(on_device) and torch.cuda.is_available()
+        arena = self._reserve(pos, pin, limit)
+        stream = None
+        if on_device:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+        for i in indices:
+            off, n = layout[i]
+            dst = arena.narrow(0, off, n)
+            src = staged.data[i]
+            if src.device.type != "cpu":
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)
+            staged.data[i] = dst
+        if stream is not None:
+            stream.synchronize()
+        return layout
