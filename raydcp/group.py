@@ -60,3 +60,17 @@ class Group:
         from .runtime.ray_transport import RayTransport
 
         return RayTransport(self, self.next_operation())
+
+    def open_async_persister(self):
+        """This rank's background persister for async_save (imports the Ray runtime lazily)."""
+        from .runtime.persister import persister_for_this_process
+
+        return _BoundPersister(self, persister_for_this_process())
+
+
+class _BoundPersister:
+    def __init__(self, group: Group, persister):
+        self.group, self.persister = group, persister
+
+    def submit(self, state_dict, checkpoint_id, storage_options):
+        return self.persister.submit(self.group, state_dict, checkpoint_id, storage_options)
