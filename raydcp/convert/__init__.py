@@ -11,11 +11,9 @@ Memory: the exports to DCP and safetensors hold one bounded group of tensors (on
 time; ``to_torch_save`` and ``from_torch_dcp`` hold the whole checkpoint, because ``torch.save``
 and ``raydcp.save`` take a whole state dict at once.
 """
-from ._dest import ConvertResult
-from ._source import TensorSource, parse_size
-from .hf_safetensors import to_safetensors
+from ._io import ConvertResult, TensorSource, parse_size
+from .files import to_safetensors, to_torch_save
 from .torch_dcp import from_torch_dcp, to_torch_dcp
-from .torch_save import to_torch_save
 
 __all__ = ["ConvertResult", "TensorSource", "parse_size", "to_torch_dcp", "from_torch_dcp",
            "to_safetensors", "to_torch_save", "FORMATS"]

@@ -4,7 +4,7 @@ To DCP: torch's own ``dcp.save`` writes the checkpoint (FileSystemWriter for a l
 FsspecWriter for a URL) in this one process, without a process group, so torch's ``dcp.load``
 reads it. The state dict handed to ``dcp.save`` holds meta-device placeholders; the planner
 fetches each real tensor from raydcp only when DCP writes it, a bounded group at a time
-(:class:`~raydcp.convert._source.TensorSource`), and DCP writes one file per tensor, so memory
+(:class:`~raydcp.convert._io.TensorSource`), and DCP writes one file per tensor, so memory
 stays about ``max(budget, largest tensor)``. Keys are raydcp's flat dotted FQNs, which are the
 FQNs DCP itself gives a nested state dict, so ``dcp.load`` of the nested dict finds them.
 
@@ -29,8 +29,7 @@ from ..engine import save
 from ..errors import CheckpointError
 from ..planner.save import _tiling_problems
 from ..storage import CheckpointStorage
-from ._dest import ConvertResult, Destination
-from ._source import DEFAULT_BUDGET, Progress, TensorSource
+from ._io import DEFAULT_BUDGET, ConvertResult, Destination, Progress, TensorSource
 from .dcp_pickle import read_dcp_metadata
 
 __all__ = ["to_torch_dcp", "from_torch_dcp"]
@@ -91,7 +90,8 @@ def to_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: bo
         raise
     except Exception as exc:
         raise CheckpointError(f"torch DCP could not write {out.url}: {_describe(exc)}") from exc
-    return ConvertResult(str(src), out.url, "torch-dcp", len(order), len(md.values), total)
+    files = sorted(p.rsplit("/", 1)[-1] for p in out.fs.ls(out.path, detail=False))
+    return ConvertResult(str(src), out.url, "torch-dcp", len(order), len(md.values), total, files)
 
 
 def _describe(exc: BaseException) -> str:

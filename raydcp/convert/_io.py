@@ -1,16 +1,24 @@
-"""Reading a raydcp checkpoint as whole tensors, a bounded group at a time.
+"""The two ends of a conversion: a raydcp checkpoint read as whole tensors, and the destination.
 
-Every exporter and ``raydcp diff`` read through :class:`TensorSource`: it plans groups of keys
-whose bytes add up to at most ``budget_bytes`` (a tensor larger than the budget forms a group of
-its own) and loads each group with one ``raydcp.load`` call into freshly allocated full tensors.
-Only one group is held at a time, so the memory an export needs is about
+:class:`TensorSource` reads a raydcp checkpoint as whole tensors, a bounded group at a time: it
+plans groups of keys whose bytes add up to at most ``budget_bytes`` (a tensor larger than the
+budget forms a group of its own) and loads each group with one ``raydcp.load`` call into freshly
+allocated full tensors. Only one group is held at a time, so an export needs about
 ``max(budget_bytes, largest tensor)`` plus what the output format itself buffers.
+
+:class:`Destination` is where a conversion writes (a local path or fsspec URL); it refuses to
+write over something that exists unless told to overwrite.
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
+import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from ..codec import dtype_from_name
 from ..engine import load, read_metadata
@@ -18,7 +26,8 @@ from ..errors import CheckpointError
 from ..metadata import Metadata, TensorMeta
 from ..planner import numel
 
-__all__ = ["DEFAULT_BUDGET", "Progress", "TensorSource", "parse_size", "tensor_nbytes"]
+__all__ = ["DEFAULT_BUDGET", "Progress", "TensorSource", "parse_size", "tensor_nbytes", "ConvertResult",
+           "Destination"]
 
 DEFAULT_BUDGET = 1 << 30
 Progress = Callable[[int, int], None]  # (bytes done, bytes in total)
@@ -62,7 +71,9 @@ class TensorSource:
         self.checkpoint_id = checkpoint_id
         self.storage_options = storage_options
         self.budget = budget_bytes
-        self.metadata = metadata if metadata is not None else read_metadata(checkpoint_id, storage_options=storage_options)
+        if metadata is None:
+            metadata = read_metadata(checkpoint_id, storage_options=storage_options)
+        self.metadata = metadata
 
     @property
     def keys(self) -> list[str]:
@@ -72,18 +83,19 @@ class TensorSource:
         tensors = self.metadata.tensors
         return sum(tensor_nbytes(tensors[k]) for k in (self.keys if keys is None else keys))
 
-    def groups(self, keys: Sequence[str]) -> list[list[str]]:
-        """``keys`` (in order) cut into consecutive groups of at most the budget in bytes."""
+    def groups(self, keys: Sequence[str], max_bytes: int | None = None) -> list[list[str]]:
+        """``keys`` (in order) cut into consecutive groups of at most ``max_bytes`` (the budget)."""
+        limit = self.budget if max_bytes is None else max_bytes
         out: list[list[str]] = []
         size = 0
         for key in keys:
             n = tensor_nbytes(self.metadata.tensors[key])
-            if not out or (out[-1] and size + n > self.budget):
+            if not out or size + n > limit:
                 out.append([])
                 size = 0
             out[-1].append(key)
             size += n
-        return [g for g in out if g]
+        return out
 
     def load_group(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
         """Whole tensors for ``keys``, freshly allocated and filled by ``raydcp.load``."""
@@ -111,3 +123,71 @@ class TensorSource:
                 done += t.numel() * t.element_size()
                 if progress:
                     progress(done, total)
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion wrote: counts, bytes, output files and the entries it skipped (with why)."""
+
+    src: str
+    dst: str
+    fmt: str
+    tensors: int = 0
+    values: int = 0
+    nbytes: int = 0
+    files: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+class Destination:
+    """An output file or directory of an export (``dst`` is a local path or fsspec URL)."""
+
+    def __init__(self, dst, storage_options: dict | None = None):
+        self.url = os.fspath(dst)
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except Exception as exc:
+            raise CheckpointError(f"cannot open {self.url}: {type(exc).__name__}: {exc}") from exc
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    @contextmanager
+    def guard(self, action: str) -> Iterator[None]:
+        """Turn an OS or fsspec error into a CheckpointError naming the destination."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"could not {action} {self.url}: {type(exc).__name__}: {exc}") from exc
+
+    def check_free(self, *, directory: bool, overwrite: bool) -> None:
+        """Refuse to write over an existing file or a non-empty directory unless ``overwrite``."""
+        with self.guard("look up"):
+            if not self.fs.exists(self.path):
+                return
+            is_dir = self.fs.isdir(self.path)
+            if is_dir and not directory:
+                raise CheckpointError(f"{self.url} is a directory; the output is a single file: give a file path")
+            if not is_dir and directory:
+                raise CheckpointError(f"{self.url} is a file; the output is a directory: give a directory path")
+            if overwrite or (is_dir and not self.fs.ls(self.path)):
+                return
+        raise CheckpointError(f"{self.url} already exists; pass --overwrite (overwrite=True) to replace its files")
+
+    def join(self, name: str) -> str:
+        return f"{self.path.rstrip('/')}/{name}"
+
+    def makedirs(self) -> None:
+        with self.guard("create"):
+            self.fs.makedirs(self.path, exist_ok=True)
+
+    def open(self, path: str, mode: str = "wb"):
+        return self.fs.open(path, mode)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        with self.guard("write"):
+            self.fs.pipe_file(path, data)
+
+    def display(self, path: str) -> str:
+        return path if self.local else self.fs.unstrip_protocol(path)
+
