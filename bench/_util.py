@@ -1,0 +1,122 @@
+"""Shared helpers of the benchmarks: machine description, timing, tables, results files."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (recorded beside every result)."""
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gib = round(int(line.split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import torch
+
+    return {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "mem_gib": mem_gib,
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-markdown table (readable in a terminal too)."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda vals: "| " + " | ".join(v.rjust(w) if i else v.ljust(w)  # noqa: E731
+                                        for i, (v, w) in enumerate(zip(vals, widths))) + " |"
+    sep = "|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in cells)])
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        if abs(v) >= 10:
+            return f"{v:.1f}"
+        if abs(v) >= 0.1:
+            return f"{v:.2f}"
+        return f"{v:.3f}"
+    return str(v)
+
+
+def save_json(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=str))
+    return path
+
+
+def goal(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def argv_line() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+class GcTimer:
+    """Seconds spent in Python's cyclic garbage collector (it runs inside whatever code allocates)."""
+
+    def __init__(self):
+        import gc
+
+        self.total = 0.0
+        self.collections = 0
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._t0
+            self.collections += 1
+
+
+GC = GcTimer()

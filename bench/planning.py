@@ -1,0 +1,408 @@
+"""Planning at scale, in one process: raydcp's coordinator work against torch DCP's, same layout.
+
+Layout (full scale): 1024 saving ranks x 1000 tensors, every tensor row-sharded over all ranks
+(1,024,000 pieces); then 512 ranks load the same tensors row-sharded (each loading piece overlaps
+two saved pieces). Tensor t has global shape (ranks * (1 + t % 4), 128 * (1 + t % 3)).
+
+raydcp, timed step by step (the coordinator's whole job for one save and one load):
+  plan_save      raydcp.planner.plan_save(local_plans): validate, dedup, balance, pack files
+  build md       the Metadata the plan implies (one ChunkMeta per piece, as the commit step builds it)
+  encode         raydcp.metadata.encode_metadata(md)          -> bytes per piece
+  decode         raydcp.metadata.decode_metadata(bytes)
+  load plan      sources from the metadata + check_requests + raydcp.planner.plan_load (512 ranks)
+torch DCP, on equivalent SavePlans (WriteItems with ChunkStorageMetadata):
+  plan_save      DefaultSavePlanner().create_global_plan(plans): dedup + create_default_global_save_plan
+                 + validation (also create_default_global_save_plan alone)
+  encode/decode  pickle.dumps / pickle.loads of its Metadata with storage_data (what .metadata holds)
+  load plan      create_read_items_for_chunk_list per tensor: DCP plans loads on every rank, so the
+                 per-rank time is measured on a sample of ranks and multiplied by the ranks for the
+                 total (the CPU spent, in parallel across ranks, not on one coordinator)
+
+The process is pinned to one CPU (--cpus to change). Linearity: the same steps at 1/4, 1/2 and
+full scale, scaling the number of ranks (pieces per tensor grow with it). A step predicted to take
+more than --budget-s is timed on a subset of the tensors and scaled up (marked "est."): every
+tensor has the same number of pieces, so the work is the same per tensor.
+
+    python bench/planning.py               # full scale, ~3-5 minutes
+    python bench/planning.py --scale 0.125 # quick
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import GC, RESULTS, argv_line, goal, log, machine, save_json, table  # noqa: E402
+
+import raydcp.planner as P  # noqa: E402
+from raydcp.codec import itemsize  # noqa: E402
+from raydcp.engine.load import _stored_sources  # noqa: E402  (what the load coordinator runs)
+from raydcp.metadata import ChunkMeta, Metadata, TensorMeta, decode_metadata, encode_metadata  # noqa: E402
+
+DTYPES = ("float32", "bfloat16")
+
+
+
+
+def step(fn):
+    """Run ``fn`` once: (seconds, seconds of it in the garbage collector, result)."""
+    g0 = GC.total
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, GC.total - g0, out
+
+
+# ----------------------------------------------------------------------------- layout
+
+def key(t: int) -> str:
+    return f"model.layers.{t // 10}.w{t % 10}.weight"
+
+
+def shape(t: int, ranks: int) -> tuple[int, int]:
+    return ranks * (1 + t % 4), 128 * (1 + t % 3)
+
+
+def dtype(t: int) -> str:
+    return DTYPES[t % 5 == 4]
+
+
+def rows(t: int, world: int, ranks: int, r: int) -> tuple[int, int]:
+    """Row range [start, end) of tensor t held by rank r of a ``world``-rank row sharding."""
+    n = shape(t, ranks)[0]
+    per = n // world
+    return r * per, (r + 1) * per
+
+
+def raydcp_local_plans(ranks: int, tensors: int) -> list[P.LocalSavePlan]:
+    plans = []
+    for r in range(ranks):
+        specs, items = {}, []
+        for t in range(tensors):
+            k = key(t)
+            g = shape(t, ranks)
+            specs[k] = P.TensorSpec(dtype(t), (g[0], g[1]))
+            a, b = rows(t, ranks, ranks, r)
+            items.append(P.WriteItem(k, (a, 0), (b - a, g[1]), (b - a) * g[1] * itemsize(dtype(t))))
+        plans.append(P.LocalSavePlan(r, specs, tuple(items), {}))
+    return plans
+
+
+def raydcp_load_plans(load_ranks: int, ranks: int, tensors: int) -> list[P.LocalLoadPlan]:
+    plans = []
+    for r in range(load_ranks):
+        specs, items = {}, []
+        for t in range(tensors):
+            k = key(t)
+            g = shape(t, ranks)
+            specs[k] = P.TensorSpec(dtype(t), (g[0], g[1]))
+            a, b = rows(t, load_ranks, ranks, r)
+            items.append(P.ReadItem(k, (a, 0), (b - a, g[1])))
+        plans.append(P.LocalLoadPlan(r, specs, tuple(items), ()))
+    return plans
+
+
+def metadata_from_plan(gp: P.GlobalSavePlan, local_plans) -> Metadata:
+    """The metadata a commit of ``gp`` records (mirrors the engine's commit step)."""
+    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in gp.tensors}
+    for rp in gp.ranks:
+        items = local_plans[rp.rank].items
+        for name, slots in rp.files:
+            for s in slots:
+                it = items[s.item]
+                chunks[it.key].append(ChunkMeta(it.offsets, it.sizes, name, s.byte_offset, it.nbytes,
+                                                (hash((it.key, it.offsets)) & 0xFFFFFFFF)))
+    tensors = {k: TensorMeta(s.dtype, s.shape, tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+               for k, s in gp.tensors.items()}
+    return Metadata(save_id=gp.save_id, world_size=gp.world_size, created_at=time.time(),
+                    tensors=tensors, values=dict(gp.values))
+
+
+def raydcp_load_plan(md: Metadata, load_plans):
+    sources = _stored_sources(md)
+    available = {k: P.TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
+    P.check_requests(available, md.values, load_plans)
+    itemsizes = {k: itemsize(t.dtype) for k, t in md.tensors.items()}
+    return P.plan_load(sources, load_plans, md.values, itemsizes)
+
+
+def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float, profile: Path | None) -> dict:
+    pieces = ranks * tensors
+    gc.disable()
+    lps = raydcp_local_plans(ranks, tensors)
+    gc.enable()
+    res: dict = {"ranks": ranks, "load_ranks": load_ranks, "tensors": tensors, "pieces": pieces}
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    s, g, gp = step(lambda: P.plan_save(lps, P.SavePlanOptions(save_id="bench")))
+    res["plan_save"], res["plan_save_gc"] = s, g
+    log(f"    raydcp plan_save   {s:7.3f} s  (gc {g:.3f} s)")
+    s, g, md = step(lambda: metadata_from_plan(gp, lps))
+    res["build_md"], res["build_md_gc"] = s, g
+    del gp, lps
+    s, g, blob = step(lambda: encode_metadata(md))
+    res["encode"], res["encode_gc"], res["md_bytes"] = s, g, len(blob)
+    log(f"    raydcp encode      {s:7.3f} s  (gc {g:.3f} s)  {len(blob) / pieces:.1f} bytes/piece")
+    s, g, md2 = step(lambda: decode_metadata(blob))
+    res["decode"], res["decode_gc"] = s, g
+    log(f"    raydcp decode      {s:7.3f} s  (gc {g:.3f} s)")
+    assert sum(len(t.chunks) for t in md2.tensors.values()) == pieces
+    del md2
+    # the load plan: time it on a few tensors first; run it whole only if that fits the budget
+    probe_t = min(tensors, 12)
+    sub = _sub_metadata(md, probe_t)
+    lp_sub = raydcp_load_plans(load_ranks, ranks, probe_t)
+    s_probe, _, _ = step(lambda: raydcp_load_plan(sub, lp_sub))
+    predicted = s_probe * tensors / probe_t
+    n_t = tensors if predicted <= budget_s else max(probe_t, int(tensors * budget_s / predicted) // 12 * 12)
+    if n_t < tensors:
+        md = _sub_metadata(md, n_t)
+    gc.disable()
+    llps = raydcp_load_plans(load_ranks, ranks, n_t)
+    gc.enable()
+    s, g, plans = step(lambda: raydcp_load_plan(md, llps))
+    scale_up = tensors / n_t
+    res["load_plan"], res["load_plan_gc"], res["load_plan_est"] = s * scale_up, g * scale_up, n_t < tensors
+    res["load_plan_tensors"] = n_t
+    if prof:
+        prof.disable()
+        prof.dump_stats(profile)
+    reads = sum(len(p.reads) for p in plans)
+    res["read_amplification"] = sum(p.bytes_read for p in plans) / max(1, sum(p.bytes_needed for p in plans))
+    log(f"    raydcp load plan   {res['load_plan']:7.3f} s  (gc {res['load_plan_gc']:.3f} s)"
+        + (f"  est. from {n_t} of {tensors} tensors ({s:.2f} s measured)" if n_t < tensors else "")
+        + f"  {reads} chunk reads, read/needed {res['read_amplification']:.3f}")
+    res["total"] = res["plan_save"] + res["build_md"] + res["encode"] + res["decode"] + res["load_plan"]
+    return res
+
+
+def _sub_metadata(md: Metadata, n: int) -> Metadata:
+    """The metadata of tensors 0..n-1 only."""
+    keys = [key(t) for t in range(n)]
+    return Metadata(md.save_id, md.world_size, md.created_at, {k: md.tensors[k] for k in keys}, md.values)
+
+
+# ----------------------------------------------------------------------------- torch DCP
+
+def dcp_plans(ranks: int, tensors: int):
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    plans = []
+    for r in range(ranks):
+        items = []
+        for t in range(tensors):
+            k = key(t)
+            g = shape(t, ranks)
+            a, b = rows(t, ranks, ranks, r)
+            offsets, sizes = torch.Size((a, 0)), torch.Size((b - a, g[1]))
+            items.append(WriteItem(
+                index=MetadataIndex(k, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                            properties=TensorProperties(dtype=dt[dtype(t)]), size=torch.Size(g))))
+        plans.append(SavePlan(items))
+    return plans
+
+
+def run_dcp(ranks: int, load_ranks: int, tensors: int, sample_ranks: int) -> dict:
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    pieces = ranks * tensors
+    res: dict = {"ranks": ranks, "tensors": tensors, "pieces": pieces}
+    gc.disable()
+    plans = dcp_plans(ranks, tensors)
+    gc.enable()
+    s, g, _ = step(lambda: create_default_global_save_plan(plans))
+    res["global_plan_only"] = s
+    planner = DefaultSavePlanner(flatten_state_dict=False)  # our plans carry no flattening mappings
+    s, g, (gplans, md) = step(lambda: planner.create_global_plan(plans))
+    res["plan_save"], res["plan_save_gc"] = s, g
+    log(f"    DCP create_global_plan {s:7.3f} s  (gc {g:.3f} s); create_default_global_save_plan alone "
+        f"{res['global_plan_only']:.3f} s")
+    # what FileSystemWriter.finish records: one _StorageInfo per piece, then pickles the Metadata
+
+    def storage_data():
+        storage = {}
+        for r, p in enumerate(gplans):
+            pos = 0
+            for it in p.items:
+                n = it.tensor_storage_size()
+                storage[it.index] = _StorageInfo(f"__{r}_0.distcp", pos, n)
+                pos += n
+        return storage
+
+    s, g, md.storage_data = step(storage_data)
+    res["storage_md"] = s
+    del plans, gplans
+    s, g, blob = step(lambda: pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+    res["encode"], res["md_bytes"] = s, len(blob)
+    s, g, md2 = step(lambda: pickle.loads(blob))
+    res["decode"] = s
+    log(f"    DCP pickle.dumps   {res['encode']:7.3f} s, loads {s:.3f} s, {len(blob) / pieces:.1f} bytes/piece")
+    del md2
+    # load planning: every DCP rank plans its own reads against the whole metadata
+    sample = sorted({int(i * load_ranks / sample_ranks) for i in range(sample_ranks)})
+
+    def plan_ranks():
+        for r in sample:
+            for t in range(tensors):
+                k = key(t)
+                g_ = shape(t, ranks)
+                a, b = rows(t, load_ranks, ranks, r)
+                chunk = ChunkStorageMetadata(offsets=torch.Size((a, 0)), sizes=torch.Size((b - a, g_[1])))
+                create_read_items_for_chunk_list(k, md.state_dict_metadata[k], [chunk])
+
+    s, g, _ = step(plan_ranks)
+    res["load_plan_per_rank"] = s / len(sample)
+    res["load_plan"] = res["load_plan_per_rank"] * load_ranks
+    log(f"    DCP load plan      {res['load_plan_per_rank']:7.3f} s per rank (sample of {len(sample)}), "
+        f"{res['load_plan']:.2f} s over {load_ranks} ranks")
+    res["total"] = res["plan_save"] + res["storage_md"] + res["encode"] + res["decode"] + res["load_plan"]
+    return res
+
+
+# ----------------------------------------------------------------------------- report
+
+def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
+    full = points[-1]
+    peer = next((p for p in points if dcp and p["ranks"] == dcp["ranks"]), full)
+    rows = []
+    for p in points:
+        est = " est." if p["load_plan_est"] else ""
+        rows.append([f"{p['ranks']} x {p['tensors']}", p["pieces"], p["plan_save"], p["build_md"], p["encode"],
+                     p["decode"], f"{p['load_plan']:.2f}{est}", p["total"], p["md_bytes"] / p["pieces"],
+                     1e6 * p["total"] / p["pieces"]])
+    out = ["### raydcp coordinator, one CPU (seconds; load plan for half as many ranks)", "",
+           table(["ranks x tensors", "pieces", "plan_save", "build md", "encode", "decode", "load plan", "total",
+                  "md bytes/piece", "us/piece"], rows), ""]
+    gcrow = [[f"{p['ranks']} x {p['tensors']}", p["plan_save_gc"], p["build_md_gc"], p["encode_gc"], p["decode_gc"],
+              p["load_plan_gc"]] for p in points]
+    out += ["Of which in the garbage collector (s):", "",
+            table(["ranks x tensors", "plan_save", "build md", "encode", "decode", "load plan"], gcrow), ""]
+    # linearity: cost per piece at each scale relative to the smallest
+    base = points[0]
+    lin = {}
+    lrows = []
+    for name in ("plan_save", "encode", "decode", "load_plan", "total"):
+        per = [p[name] / p["pieces"] for p in points]
+        lin[name] = per[-1] / per[0]
+        lrows.append([name, *(x / per[0] for x in per)])
+    out += [f"Linearity: seconds per piece relative to {base['ranks']} ranks (1.0 = linear; work that grows with"
+            f" the square of the ranks reads {points[-1]['ranks'] / base['ranks']:.1f} in the last column)", "",
+            table(["step", *(f"{p['ranks']} ranks" for p in points)], lrows), ""]
+    ratios = {}
+    if dcp:
+        drows = [
+            ["save plan + metadata (DCP: create_global_plan + storage_data)", dcp["plan_save"] + dcp["storage_md"],
+             peer["plan_save"] + peer["build_md"],
+             (dcp["plan_save"] + dcp["storage_md"]) / (peer["plan_save"] + peer["build_md"])],
+            ["metadata encode", dcp["encode"], peer["encode"], dcp["encode"] / peer["encode"]],
+            ["metadata decode", dcp["decode"], peer["decode"], dcp["decode"] / peer["decode"]],
+            [f"load plan (DCP: {peer['load_ranks']} ranks x {dcp['load_plan_per_rank']:.3f} s)", dcp["load_plan"],
+             peer["load_plan"], dcp["load_plan"] / peer["load_plan"]],
+            ["total", dcp["total"], peer["total"], dcp["total"] / peer["total"]],
+            ["metadata bytes/piece", dcp["md_bytes"] / dcp["pieces"], peer["md_bytes"] / peer["pieces"],
+             dcp["md_bytes"] / peer["md_bytes"]],
+        ]
+        ratios = {r[0]: r[3] for r in drows}
+        out += [f"### torch DCP against raydcp at {peer['ranks']} x {peer['tensors']} ({peer['pieces']} pieces)", "",
+                table(["step", "DCP s", "raydcp s", "DCP / raydcp"], drows), ""]
+    worst_lin = max(lin["plan_save"], lin["encode"], lin["decode"], lin["load_plan"])
+    checks = [
+        ("total under 2 s on one core", full["total"], "< 2 s", full["total"] < 2.0),
+        ("metadata under 100 bytes per piece", full["md_bytes"] / full["pieces"], "< 100", full["md_bytes"] / full["pieces"] < 100),
+        ("linear (per-piece cost at full / at 1/4 scale, worst step)", worst_lin, "<= 1.3", worst_lin <= 1.3),
+    ]
+    out += [table(["goal", "measured", "target", "status"], [[c[0], c[1], c[2], goal(c[3])] for c in checks]), ""]
+    return "\n".join(out), {"goals": {c[0]: c[3] for c in checks}, "linearity": lin, "dcp_ratios": ratios}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of the 1024 saving / 512 loading ranks")
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--load-ranks", type=int, default=512)
+    ap.add_argument("--tensors", type=int, default=1000)
+    ap.add_argument("--budget-s", type=float, default=30.0,
+                    help="a load plan predicted to take longer is timed on a subset of tensors and scaled up")
+    ap.add_argument("--dcp-sample-ranks", type=int, default=8)
+    ap.add_argument("--dcp-at", type=float, default=0.25, choices=[0.25, 0.5, 1.0],
+                    help="which of the three scales torch DCP runs at (its metadata pickling alone takes minutes "
+                         "at full scale on 2 cores); the comparison is with raydcp at the same scale")
+    ap.add_argument("--no-dcp", action="store_true")
+    ap.add_argument("--cpus", default="0", help="CPUs to pin to, comma separated ('' for no pinning)")
+    ap.add_argument("--profile", action="store_true", help="cProfile raydcp's steps at full scale")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args()
+    if args.cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    info = machine()
+    log(f"machine: {info['nproc']} CPUs, {info['mem_gib']} GiB RAM; pinned to CPUs {sorted(os.sched_getaffinity(0))}")
+    full_r = max(4, round(args.ranks * args.scale))
+    full_l = max(2, round(args.load_ranks * args.scale))
+    points = []
+    for f in (4, 2, 1):
+        r, l = max(2, full_r // f), max(1, full_l // f)
+        log(f"raydcp: {r} ranks x {args.tensors} tensors = {r * args.tensors} pieces; load on {l} ranks")
+        prof = RESULTS / "planning-raydcp.prof" if args.profile and f == 1 else None
+        if prof:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+        points.append(run_raydcp(r, l, args.tensors, args.budget_s, prof))
+        gc.collect()
+    dcp = None
+    if not args.no_dcp:
+        peer = points[{0.25: 0, 0.5: 1, 1.0: 2}[args.dcp_at]]
+        log(f"torch DCP: {peer['ranks']} ranks x {args.tensors} tensors; load on {peer['load_ranks']} ranks")
+        dcp = run_dcp(peer["ranks"], peer["load_ranks"], args.tensors, args.dcp_sample_ranks)
+    text, summary = report(points, dcp)
+    print(f"\n## planning  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, pinned to one CPU)\n")
+    print(f"command: {argv_line()}\n")
+    print(text)
+    if args.profile:
+        import pstats
+
+        st = pstats.Stats(str(RESULTS / "planning-raydcp.prof")).strip_dirs()
+        print("--- cProfile of raydcp's steps at full scale, by own time")
+        st.sort_stats("tottime").print_stats(20)
+    out = save_json("planning", {"machine": info, "args": vars(args), "raydcp": points, "dcp": dcp, "summary": summary})
+    log(f"results: {out}")
+    if not args.no_plot:
+        plot(points, RESULTS / "planning.png")
+        log(f"plot: {RESULTS / 'planning.png'}")
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [p["pieces"] for p in points]
+    for name in ("plan_save", "build_md", "encode", "decode", "load_plan", "total"):
+        ax.plot(x, [p[name] for p in points], marker="o", label=name)
+    ax.axhline(2.0, color="grey", ls="--", label="goal: 2 s total")
+    ax.set_xlabel("pieces (ranks x tensors)")
+    ax.set_ylabel("seconds, one CPU")
+    ax.set_title("raydcp planning cost")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+if __name__ == "__main__":
+    main()
