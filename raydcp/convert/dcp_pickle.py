@@ -22,6 +22,9 @@ __all__ = ["DCPMetadataUnpickler", "load_dcp_metadata", "read_dcp_metadata", "DC
 DCP_METADATA_NAME = ".metadata"
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# StorageMeta.checkpoint_id may be a concrete path of the saving machine's OS, which cannot be
+# instantiated on another OS: read it as the pure path of the same flavour.
+_PATHS = {"Path": "PurePosixPath", "PosixPath": "PurePosixPath", "WindowsPath": "PureWindowsPath"}
 _ALLOWED: dict[str, frozenset[str]] = {
     _METADATA_MODULE: frozenset({
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -31,7 +34,7 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "torch": frozenset({"Size"}),  # and every torch.dtype, see find_class
     "torch.serialization": frozenset({"_get_layout"}),  # maps a layout's name to torch.layout
     "collections": frozenset({"OrderedDict"}),
-    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+    "pathlib": frozenset({"PurePath", "PurePosixPath", "PureWindowsPath"}),  # and see _PATHS
     "builtins": frozenset({"set", "frozenset"}),
 }
 
@@ -46,6 +49,8 @@ class DCPMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
+        if module == "pathlib" and name in _PATHS:
+            return super().find_class(module, _PATHS[name])
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise CheckpointError(

@@ -17,6 +17,7 @@ values (others are skipped and reported). Chunks are assembled into whole tensor
 """
 from __future__ import annotations
 
+import gc
 import io
 import os
 import warnings
@@ -54,7 +55,8 @@ def to_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: bo
     def fetch(key: str) -> torch.Tensor:
         nonlocal cache, done
         if key not in cache:
-            cache = {}  # drop the previous group before loading the next
+            cache = {}  # drop the previous group before loading the next; torch.save leaves
+            gc.collect(1)  # reference cycles that keep the tensors DCP wrote alive until collected
             cache = source.load_group(groups[group_of[key]])
         t = cache.pop(key)
         done += t.numel() * t.element_size()

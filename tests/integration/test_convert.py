@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -252,12 +253,23 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_library_api_streams_with_a_small_budget(tmp_path):
+def test_to_dcp_streams_one_group_at_a_time(tmp_path, monkeypatch):
+    from raydcp.convert import _io
+
     src = tmp_path / "rd"
     raydcp.save({"a": torch.randn(64), "b": torch.randn(64), "c": torch.randn(8)}, src)
+    held, load_group = [], _io.TensorSource.load_group
+
+    def recording(self, keys):
+        assert all(ref() is None for ref in held), "a tensor already written to DCP is still alive"
+        out = load_group(self, keys)
+        held.extend(weakref.ref(t) for t in out.values())
+        return out
+
+    monkeypatch.setattr(_io.TensorSource, "load_group", recording)
     seen = []
     result = to_torch_dcp(src, tmp_path / "dcp", budget_bytes=1, progress=lambda done, total: seen.append(done))
-    assert result.tensors == 3 and seen[-1] == result.nbytes == (64 + 64 + 8) * 4
+    assert result.tensors == 3 and len(held) == 3 and seen[-1] == result.nbytes == (64 + 64 + 8) * 4
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = {"a": torch.zeros(64), "b": torch.zeros(64), "c": torch.zeros(8)}
