@@ -25,6 +25,7 @@ from ..engine import load, read_metadata
 from ..errors import CheckpointError
 from ..metadata import Metadata, TensorMeta
 from ..planner import numel
+from ..planner.save import _tiling_problems
 
 __all__ = ["DEFAULT_BUDGET", "Progress", "TensorSource", "parse_size", "tensor_nbytes", "ConvertResult",
            "Destination"]
@@ -103,6 +104,13 @@ class TensorSource:
         missing = [k for k in keys if k not in tensors]
         if missing:
             raise CheckpointError(f"{self.checkpoint_id}: no tensor named {', '.join(missing[:5])} in the checkpoint")
+        # raydcp.load fills only what the stored pieces cover: refuse pieces that leave a gap
+        # rather than hand on the uninitialized memory of torch.empty
+        gaps = [p for k in keys for p in _tiling_problems(k, tensors[k].shape, [(c.offsets, c.sizes)
+                                                                                 for c in tensors[k].chunks])]
+        if gaps:
+            raise CheckpointError(f"{self.checkpoint_id}: the metadata's pieces do not form whole tensors "
+                                  f"(run `raydcp verify`): {'; '.join(gaps[:5])}")
         out = {k: torch.empty(tensors[k].shape, dtype=dtype_from_name(tensors[k].dtype)) for k in keys}
         if out:
             load(out, self.checkpoint_id, strict=False, storage_options=self.storage_options)

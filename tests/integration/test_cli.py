@@ -176,6 +176,24 @@ def test_verify_streams_large_pieces_in_blocks(tmp_path):
     assert [(p.kind, p.key) for p in report.problems] == [("checksum", "x")]
 
 
+def test_pieces_that_leave_a_gap(ckpt, tmp_path, capsys):
+    """Metadata whose pieces do not cover a tensor: verify names it, exports refuse it."""
+    import dataclasses
+
+    from raydcp.metadata import TensorMeta, encode_metadata
+    from raydcp.storage import CheckpointStorage
+
+    path, md = ckpt
+    w = md.tensors["model.w"]
+    half = dataclasses.replace(w.chunks[0], sizes=(1, 4), nbytes=16)
+    CheckpointStorage(path).commit(encode_metadata(dataclasses.replace(
+        md, tensors={**md.tensors, "model.w": TensorMeta(w.dtype, w.shape, (half,))})))
+    code, _, err = run(capsys, "verify", path)
+    assert code == 1 and "model.w: pieces cover 4 of 12 elements" in err
+    code, _, err = run(capsys, "convert", path, tmp_path / "st", "--to", "safetensors")
+    assert code == 2 and "model.w" in err and "raydcp verify" in err
+
+
 def test_diff(tmp_path, capsys):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     raydcp.save(state(), a)
