@@ -20,7 +20,7 @@ from .errors import CheckpointError
 
 __all__ = [
     "DTYPES", "dtype_name", "dtype_from_name", "tensor_bytes", "tensor_from_bytes",
-    "checksum", "encode_value", "decode_value", "is_plain_value",
+    "checksum", "block_checksums", "encode_value", "decode_value", "is_plain_value",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -82,6 +82,16 @@ def checksum(data: Any) -> int:
     if isinstance(data, torch.Tensor):
         data = data.numpy() if data.numel() else b""
     return _crc32c.crc32c(data)
+
+
+def block_checksums(data: Any, block: int) -> tuple[int, ...]:
+    """CRC32C of each ``block``-byte block of a buffer larger than one block (empty otherwise)."""
+    if isinstance(data, torch.Tensor):
+        data = data.numpy()
+    view = memoryview(data).cast("B")
+    if len(view) <= block:
+        return ()
+    return tuple(_crc32c.crc32c(view[i:i + block]) for i in range(0, len(view), block))
 
 
 # ---- plain values: tagged JSON, never pickle -------------------------------------------------

@@ -22,7 +22,7 @@ import pyarrow as pa
 from .codec import checksum, decode_value, encode_value, itemsize
 from .errors import CheckpointError
 
-__all__ = ["FORMAT_VERSION", "ChunkMeta", "TensorMeta", "Metadata", "encode_metadata", "decode_metadata"]
+__all__ = ["FORMAT_VERSION", "BLOCK_BYTES", "ChunkMeta", "TensorMeta", "Metadata", "encode_metadata", "decode_metadata"]
 
 FORMAT_VERSION = (1, 0)
 MAGIC = b"RAYDCPM\n"
@@ -39,6 +39,12 @@ class ChunkMeta:
     byte_offset: int
     nbytes: int
     checksum: int
+    # CRC32C of each BLOCK_BYTES block of a chunk larger than one block (else empty), so a
+    # reader that needs only part of a chunk can verify what it reads
+    block_checksums: tuple[int, ...] = ()
+
+
+BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,7 @@ _SCHEMA_FIELDS = [
     pa.field("byte_offset", pa.int64()),
     pa.field("nbytes", pa.int64()),
     pa.field("checksum", pa.uint32()),
+    pa.field("block_checksums", pa.list_(pa.uint32())),
 ]
 
 
@@ -105,11 +112,13 @@ def encode_metadata(md: Metadata) -> bytes:
             cols["byte_offset"].append(c.byte_offset)
             cols["nbytes"].append(c.nbytes)
             cols["checksum"].append(c.checksum)
+            cols["block_checksums"].append(c.block_checksums)
     header = {
         "format": "raydcp",
         "save_id": md.save_id,
         "world_size": md.world_size,
         "created_at": md.created_at,
+        "block_bytes": BLOCK_BYTES,
         "tensors": [[n, md.tensors[n].dtype, list(md.tensors[n].shape)] for n in names],
         "files": list(files),
         "values": {k: encode_value(v) for k, v in md.values.items()},
@@ -171,10 +180,14 @@ def _decode_payload(payload: memoryview) -> Metadata:
     byte_off = table.column("byte_offset").to_numpy()
     nbytes = table.column("nbytes").to_numpy()
     crcs = table.column("checksum").to_numpy()
+    blocks = _list_column(table.column("block_checksums"))
+    if int(header.get("block_bytes", BLOCK_BYTES)) != BLOCK_BYTES:
+        raise CheckpointError(f"checksum block size {header.get('block_bytes')} is not {BLOCK_BYTES}")
     chunks: list[list[ChunkMeta]] = [[] for _ in specs]
     for i in range(table.num_rows):
         ti, fi = int(tensor_col[i]), int(file_col[i])
-        chunks[ti].append(ChunkMeta(offs[i], sizes[i], files[fi], int(byte_off[i]), int(nbytes[i]), int(crcs[i])))
+        chunks[ti].append(ChunkMeta(offs[i], sizes[i], files[fi], int(byte_off[i]), int(nbytes[i]), int(crcs[i]),
+                                    blocks[i]))
     tensors = {}
     for (name, dtype, shape), cs in zip(specs, chunks):
         shape = tuple(int(s) for s in shape)
@@ -182,7 +195,9 @@ def _decode_payload(payload: memoryview) -> Metadata:
         for c in cs:
             if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
                 o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, shape)
-            ) or c.nbytes != _numel(c.sizes) * isz or c.byte_offset < 0:
+            ) or c.nbytes != _numel(c.sizes) * isz or c.byte_offset < 0 or len(c.block_checksums) != (
+                -(-c.nbytes // BLOCK_BYTES) if c.nbytes > BLOCK_BYTES else 0
+            ):
                 raise CheckpointError(f"chunk of {name!r} at {c.offsets} does not fit the tensor's shape {shape}")
         tensors[name] = TensorMeta(dtype, shape, tuple(cs))
     return Metadata(

@@ -48,7 +48,8 @@ def local_load_plan(rank: int, flat: FlatState, strict: bool) -> LocalLoadPlan:
 
 def _stored_sources(md: Metadata) -> dict[str, list[SourceChunk]]:
     return {
-        key: [SourceChunk(key, t.dtype, c.offsets, c.sizes, c.file, c.byte_offset, c.nbytes, c.checksum)
+        key: [SourceChunk(key, t.dtype, c.offsets, c.sizes, c.file, c.byte_offset, c.nbytes, c.checksum,
+                             c.block_checksums)
               for c in t.chunks]
         for key, t in md.tensors.items()
     }

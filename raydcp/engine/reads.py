@@ -9,6 +9,7 @@ import torch
 
 from ..codec import checksum, itemsize, tensor_bytes, tensor_from_bytes
 from ..errors import CheckpointError
+from ..metadata import BLOCK_BYTES
 from ..planner import ChunkRead, Delivery, byte_runs, merge_runs
 from ..state import TensorLeaf
 
@@ -48,6 +49,16 @@ class Deliverer:
         self.received += 1
 
 
+def _verifiable(runs: list[tuple[int, int]], ch) -> list[tuple[int, int]]:
+    """Widen partial reads to what a checksum covers: whole blocks, or the whole (small) chunk."""
+    if runs == [(0, ch.nbytes)] or ch.checksum is None:
+        return runs
+    if not ch.block_checksums:
+        return [(0, ch.nbytes)]
+    return merge_runs([(s // BLOCK_BYTES * BLOCK_BYTES, min(-(-e // BLOCK_BYTES) * BLOCK_BYTES, ch.nbytes))
+                       for s, e in runs])
+
+
 class ChunkReader(abc.ABC):
     @abc.abstractmethod
     def read(self, cr: ChunkRead, out: Deliverer) -> int:
@@ -70,14 +81,16 @@ class FileChunkReader(ChunkReader):
             if d.rank == out.rank and d.sizes == ch.sizes and self._read_direct(cr, d, out):
                 return ch.nbytes
         per_delivery = [byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, isz) for d in cr.deliveries]
-        runs = merge_runs([r for rs in per_delivery for r in rs])
+        runs = _verifiable(merge_runs([r for rs in per_delivery for r in rs]), ch)
         bufs = self._fetch(ch, runs)
         if runs == [(0, ch.nbytes)]:  # the whole chunk: verify it, then slice deliveries from it
             self._verify(ch, bufs[0])
             whole = tensor_from_bytes(bufs[0], ch.dtype, ch.sizes)
             for d in cr.deliveries:
                 out.deliver(d, _narrow(whole, ch.offsets, d.offsets, d.sizes))
-        else:  # parts of the chunk: assemble each delivery from the runs read
+        else:  # parts of the chunk: verify the blocks read, assemble each delivery from them
+            for (s, e), buf in zip(runs, bufs):
+                self._verify_blocks(ch, s, e, buf)
             starts = [s for s, _ in runs]
             for d, drs in zip(cr.deliveries, per_delivery):
                 parts = []
@@ -108,6 +121,17 @@ class FileChunkReader(ChunkReader):
             raise CheckpointError(f"{ch.key}: {exc}") from None
         self._verify(ch, view)
         return True
+
+    @staticmethod
+    def _verify_blocks(ch, start: int, end: int, buf) -> None:
+        view = memoryview(buf)
+        for b in range(start // BLOCK_BYTES, -(-end // BLOCK_BYTES)):
+            lo, hi = b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, ch.nbytes)
+            if checksum(view[lo - start:hi - start]) != ch.block_checksums[b]:
+                raise CheckpointError(
+                    f"{ch.key}: checksum mismatch in {ch.file} at bytes {ch.byte_offset + lo}..{ch.byte_offset + hi} "
+                    f"(piece at {list(ch.offsets)}); the checkpoint is damaged: restore it from another copy"
+                )
 
     @staticmethod
     def _verify(ch, buf) -> None:

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codec import checksum
+from ..codec import block_checksums, checksum
 from ..errors import CheckpointError, RankFailure
-from ..metadata import ChunkMeta, Metadata, TensorMeta, encode_metadata
+from ..metadata import BLOCK_BYTES, ChunkMeta, Metadata, TensorMeta, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
@@ -67,7 +67,8 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
             buf = (raw if raw.device.type == "cpu" else raw.cpu()).numpy()
             bufs.append(buf)
             crc = item.checksum if item.checksum is not None else checksum(buf)
-            records.append((item.key, item.offsets, item.sizes, name, slot.byte_offset, item.nbytes, crc))
+            blocks = block_checksums(buf, BLOCK_BYTES)
+            records.append((item.key, item.offsets, item.sizes, name, slot.byte_offset, item.nbytes, crc, blocks))
             pos = slot.byte_offset + item.nbytes
         files[name] = bufs
     storage.write_files(files)
@@ -79,8 +80,8 @@ def _reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Seq
     save_id, world_size, tensors, plain = header
     chunks: dict[str, list[ChunkMeta]] = {k: [] for k in tensors}
     for records, _ in values:
-        for key, offsets, sizes, file, off, nbytes, crc in records:
-            chunks[key].append(ChunkMeta(offsets, sizes, file, off, nbytes, crc))
+        for key, offsets, sizes, file, off, nbytes, crc, blocks in records:
+            chunks[key].append(ChunkMeta(offsets, sizes, file, off, nbytes, crc, blocks))
     md = Metadata(
         save_id=save_id,
         world_size=world_size,

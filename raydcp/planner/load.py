@@ -88,6 +88,17 @@ def plan_load(
                 chunk_of[(it.key, ci)] = ch
                 needed[lp.rank] += numel(box[1]) * itemsizes[it.key]
 
+    covered: dict[tuple[int, int], int] = defaultdict(int)
+    for dels in wanted.values():
+        for d in dels:
+            covered[(d.rank, d.item)] += numel(d.sizes)
+    gaps = sorted({it.key for lp in local_plans for idx, it in enumerate(lp.items)
+                   if it.key in sources and covered[(lp.rank, idx)] != numel(it.sizes)})
+    if gaps:
+        raise CheckpointError(
+            f"the stored pieces of {_names(gaps)} do not cover the tensor exactly (a gap or an overlap); "
+            f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
+
     load = [0] * world
     reads: list[list[ChunkRead]] = [[] for _ in range(world)]
     incoming = [0] * world

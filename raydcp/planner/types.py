@@ -107,6 +107,7 @@ class SourceChunk:
     byte_offset: int = 0
     nbytes: int = 0
     checksum: int | None = None
+    block_checksums: tuple[int, ...] = ()
     holders: tuple[int, ...] | None = None
 
 

@@ -100,3 +100,50 @@ def test_bad_checkpoint_id_and_group():
         raydcp.save({}, "")
     with pytest.raises(CheckpointError, match="group must be a raydcp.Group"):
         raydcp.save({}, "memory://x", group="g")
+
+
+def flip(path, pos):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_partial_reads_are_verified_block_by_block(tmp_path):
+    from raydcp import Shard
+
+    ck = tmp_path / "ck"
+    big = torch.arange(4 << 20, dtype=torch.uint8).reshape(4, 1 << 20)  # 4 MiB: four checksum blocks
+    md = raydcp.save({"big": big, "small": torch.arange(100.0)}, ck)
+    chunk = md.tensors["big"].chunks[0]
+    assert len(chunk.block_checksums) == 4
+    path = os.path.join(ck, chunk.file)
+    flip(path, chunk.byte_offset + 3 * (1 << 20) + 5)  # damage in the last block (row 3)
+    rows01 = {"big": Shard(torch.zeros(2, 1 << 20, dtype=torch.uint8), (0, 0), (4, 1 << 20))}
+    stats = raydcp.load(rows01, ck, strict=False)  # rows 0-1 never touch the damaged block
+    assert torch.equal(rows01["big"].tensor, big[:2]) and stats.bytes_read == 2 << 20
+    row3 = {"big": Shard(torch.zeros(1, 1 << 20, dtype=torch.uint8), (3, 0), (4, 1 << 20))}
+    with pytest.raises(CheckpointError, match=r"big: checksum mismatch .* at bytes"):
+        raydcp.load(row3, ck, strict=False)
+    small = md.tensors["small"].chunks[0]
+    flip(os.path.join(ck, small.file), small.byte_offset + 396)  # the last element
+    head = {"small": Shard(torch.zeros(10), (0,), (100,))}
+    with pytest.raises(CheckpointError, match="small: checksum mismatch"):  # small chunks are read whole
+        raydcp.load(head, ck, strict=False)
+
+
+def test_metadata_whose_pieces_leave_a_gap_is_refused_on_load(tmp_path):
+    from raydcp.metadata import Metadata, TensorMeta, decode_metadata, encode_metadata
+    from raydcp.storage import CheckpointStorage
+
+    ck = tmp_path / "ck"
+    raydcp.save({"w": torch.ones(4, 2)}, ck)
+    storage = CheckpointStorage(ck)
+    md = decode_metadata(storage.read_metadata_bytes())
+    c = md.tensors["w"].chunks[0]
+    holed = type(c)((0, 0), (3, 2), c.file, c.byte_offset, 24, c.checksum, ())
+    md2 = Metadata(md.save_id, 1, md.created_at, {"w": TensorMeta("float32", (4, 2), (holed,))}, {})
+    storage.commit(encode_metadata(md2))
+    with pytest.raises(CheckpointError, match=r"stored pieces of w do not cover the tensor exactly"):
+        raydcp.load({"w": torch.zeros(4, 2)}, ck)
