@@ -106,16 +106,18 @@ class GcTimer:
     def __init__(self):
         import gc
 
-        self.total = 0.0
+        self.total = 0.0  # wall seconds
+        self.cpu = 0.0    # CPU seconds of this process
         self.collections = 0
-        self._t0 = 0.0
+        self._t0 = self._c0 = 0.0
         gc.callbacks.append(self._cb)
 
     def _cb(self, phase, info):
         if phase == "start":
-            self._t0 = time.perf_counter()
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
         else:
             self.total += time.perf_counter() - self._t0
+            self.cpu += time.process_time() - self._c0
             self.collections += 1
 
 

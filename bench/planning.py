@@ -18,7 +18,8 @@ torch DCP, on equivalent SavePlans (WriteItems with ChunkStorageMetadata):
                  per-rank time is measured on a sample of ranks and multiplied by the ranks for the
                  total (the CPU spent, in parallel across ranks, not on one coordinator)
 
-The process is pinned to one CPU (--cpus to change). Linearity: the same steps at 1/4, 1/2 and
+The process is pinned to one CPU (--cpus to change) and times are its CPU seconds: what a step
+costs on one idle core (wall time on a shared machine adds whatever else ran there). Linearity: the same steps at 1/4, 1/2 and
 full scale, scaling the number of ranks (pieces per tensor grow with it). A step predicted to take
 more than --budget-s is timed on a subset of the tensors and scaled up (marked "est."): every
 tensor has the same number of pieces, so the work is the same per tensor.
@@ -49,12 +50,20 @@ DTYPES = ("float32", "bfloat16")
 
 
 
+WALL: dict[int, float] = {}
+
+
 def step(fn):
-    """Run ``fn`` once: (seconds, seconds of it in the garbage collector, result)."""
-    g0 = GC.total
-    t0 = time.perf_counter()
+    """Run ``fn`` once: (CPU seconds, CPU seconds of it in the garbage collector, result).
+
+    CPU time of this single-threaded, pinned process is what the step costs on one idle core;
+    wall time on a shared machine adds whatever else ran on that core (kept in WALL, last step).
+    """
+    g0 = GC.cpu
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - t0, GC.total - g0, out
+    WALL[0] = time.perf_counter() - t0
+    return time.process_time() - c0, GC.cpu - g0, out
 
 
 # ----------------------------------------------------------------------------- layout
@@ -130,20 +139,14 @@ def raydcp_load_plan(md: Metadata, load_plans):
     return P.plan_load(sources, load_plans, md.values, itemsizes)
 
 
-def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float, profile: Path | None) -> dict:
+def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float) -> dict:
     pieces = ranks * tensors
     gc.disable()
     lps = raydcp_local_plans(ranks, tensors)
     gc.enable()
     res: dict = {"ranks": ranks, "load_ranks": load_ranks, "tensors": tensors, "pieces": pieces}
-    prof = None
-    if profile:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
     s, g, gp = step(lambda: P.plan_save(lps, P.SavePlanOptions(save_id="bench")))
-    res["plan_save"], res["plan_save_gc"] = s, g
+    res["plan_save"], res["plan_save_gc"], res["plan_save_wall"] = s, g, WALL[0]
     log(f"    raydcp plan_save   {s:7.3f} s  (gc {g:.3f} s)")
     s, g, md = step(lambda: metadata_from_plan(gp, lps))
     res["build_md"], res["build_md_gc"] = s, g
@@ -172,9 +175,6 @@ def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float, profi
     scale_up = tensors / n_t
     res["load_plan"], res["load_plan_gc"], res["load_plan_est"] = s * scale_up, g * scale_up, n_t < tensors
     res["load_plan_tensors"] = n_t
-    if prof:
-        prof.disable()
-        prof.dump_stats(profile)
     reads = sum(len(p.reads) for p in plans)
     res["read_amplification"] = sum(p.bytes_read for p in plans) / max(1, sum(p.bytes_needed for p in plans))
     log(f"    raydcp load plan   {res['load_plan']:7.3f} s  (gc {res['load_plan_gc']:.3f} s)"
@@ -182,6 +182,38 @@ def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float, profi
         + f"  {reads} chunk reads, read/needed {res['read_amplification']:.3f}")
     res["total"] = res["plan_save"] + res["build_md"] + res["encode"] + res["decode"] + res["load_plan"]
     return res
+
+
+def profile_raydcp(ranks: int, load_ranks: int, tensors: int, load_tensors: int, top: int = 25) -> None:
+    """One more pass of raydcp's steps under cProfile (the load plan on ``load_tensors`` tensors)."""
+    import cProfile
+    import pstats
+
+    gc.disable()
+    lps = raydcp_local_plans(ranks, tensors)
+    llps = raydcp_load_plans(load_ranks, ranks, load_tensors)
+    gc.enable()
+    md: list[Metadata] = []
+    for name, fn in (("plan_save + build md + encode + decode", lambda: md.append(_save_steps(lps))),
+                     (f"load plan ({load_tensors} of {tensors} tensors)", lambda: raydcp_load_plan(sub, llps))):
+        if md:
+            sub = _sub_metadata(md[0], load_tensors)
+        prof = cProfile.Profile()
+        g0 = GC.total
+        prof.enable()
+        fn()
+        prof.disable()
+        path = RESULTS / f"planning-{name.split()[0]}.prof"
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(path)
+        print(f"\n--- cProfile of raydcp {name} at {ranks} ranks ({GC.total - g0:.2f} s in the garbage collector); {path}")
+        pstats.Stats(prof).strip_dirs().sort_stats("tottime").print_stats(top)
+
+
+def _save_steps(lps) -> Metadata:
+    gp = P.plan_save(lps, P.SavePlanOptions(save_id="bench"))
+    md = metadata_from_plan(gp, lps)
+    return decode_metadata(encode_metadata(md))
 
 
 def _sub_metadata(md: Metadata, n: int) -> Metadata:
@@ -286,7 +318,7 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
         rows.append([f"{p['ranks']} x {p['tensors']}", p["pieces"], p["plan_save"], p["build_md"], p["encode"],
                      p["decode"], f"{p['load_plan']:.2f}{est}", p["total"], p["md_bytes"] / p["pieces"],
                      1e6 * p["total"] / p["pieces"]])
-    out = ["### raydcp coordinator, one CPU (seconds; load plan for half as many ranks)", "",
+    out = ["### raydcp coordinator, one CPU (CPU seconds; load plan for half as many ranks)", "",
            table(["ranks x tensors", "pieces", "plan_save", "build md", "encode", "decode", "load plan", "total",
                   "md bytes/piece", "us/piece"], rows), ""]
     gcrow = [[f"{p['ranks']} x {p['tensors']}", p["plan_save_gc"], p["build_md_gc"], p["encode_gc"], p["decode_gc"],
@@ -320,7 +352,7 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
         ]
         ratios = {r[0]: r[3] for r in drows}
         out += [f"### torch DCP against raydcp at {peer['ranks']} x {peer['tensors']} ({peer['pieces']} pieces)", "",
-                table(["step", "DCP s", "raydcp s", "DCP / raydcp"], drows), ""]
+                table(["step", "DCP CPU s", "raydcp CPU s", "DCP / raydcp"], drows), ""]
     worst_lin = max(lin["plan_save"], lin["encode"], lin["decode"], lin["load_plan"])
     checks = [
         ("total under 2 s on one core", full["total"], "< 2 s", full["total"] < 2.0),
@@ -337,7 +369,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--load-ranks", type=int, default=512)
     ap.add_argument("--tensors", type=int, default=1000)
-    ap.add_argument("--budget-s", type=float, default=30.0,
+    ap.add_argument("--budget-s", type=float, default=20.0,
                     help="a load plan predicted to take longer is timed on a subset of tensors and scaled up")
     ap.add_argument("--dcp-sample-ranks", type=int, default=8)
     ap.add_argument("--dcp-at", type=float, default=0.25, choices=[0.25, 0.5, 1.0],
@@ -345,23 +377,25 @@ def main() -> None:
                          "at full scale on 2 cores); the comparison is with raydcp at the same scale")
     ap.add_argument("--no-dcp", action="store_true")
     ap.add_argument("--cpus", default="0", help="CPUs to pin to, comma separated ('' for no pinning)")
-    ap.add_argument("--profile", action="store_true", help="cProfile raydcp's steps at full scale")
+    ap.add_argument("--profile", action="store_true",
+                    help="afterwards, cProfile one more pass of raydcp's steps at full scale (not in the timings)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     info = machine()
-    log(f"machine: {info['nproc']} CPUs, {info['mem_gib']} GiB RAM; pinned to CPUs {sorted(os.sched_getaffinity(0))}")
+    log(f"machine: {info['nproc']} CPUs, {info['mem_gib']} GiB RAM; pinned to CPUs {sorted(os.sched_getaffinity(0))}; "
+        f"times are CPU seconds of this process")
+    # warm up (first calls import and initialise: pyarrow's IPC and zstd, torch's DCP modules)
+    _lps = raydcp_local_plans(4, 12)
+    raydcp_load_plan(_save_steps(_lps), raydcp_load_plans(2, 4, 12))
     full_r = max(4, round(args.ranks * args.scale))
     full_l = max(2, round(args.load_ranks * args.scale))
     points = []
     for f in (4, 2, 1):
         r, l = max(2, full_r // f), max(1, full_l // f)
         log(f"raydcp: {r} ranks x {args.tensors} tensors = {r * args.tensors} pieces; load on {l} ranks")
-        prof = RESULTS / "planning-raydcp.prof" if args.profile and f == 1 else None
-        if prof:
-            RESULTS.mkdir(parents=True, exist_ok=True)
-        points.append(run_raydcp(r, l, args.tensors, args.budget_s, prof))
+        points.append(run_raydcp(r, l, args.tensors, args.budget_s))
         gc.collect()
     dcp = None
     if not args.no_dcp:
@@ -369,15 +403,12 @@ def main() -> None:
         log(f"torch DCP: {peer['ranks']} ranks x {args.tensors} tensors; load on {peer['load_ranks']} ranks")
         dcp = run_dcp(peer["ranks"], peer["load_ranks"], args.tensors, args.dcp_sample_ranks)
     text, summary = report(points, dcp)
-    print(f"\n## planning  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, pinned to one CPU)\n")
+    print(f"\n## planning  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, pinned to one CPU, CPU seconds)\n")
     print(f"command: {argv_line()}\n")
     print(text)
     if args.profile:
-        import pstats
-
-        st = pstats.Stats(str(RESULTS / "planning-raydcp.prof")).strip_dirs()
-        print("--- cProfile of raydcp's steps at full scale, by own time")
-        st.sort_stats("tottime").print_stats(20)
+        gc.collect()
+        profile_raydcp(full_r, full_l, args.tensors, min(args.tensors, 24))
     out = save_json("planning", {"machine": info, "args": vars(args), "raydcp": points, "dcp": dcp, "summary": summary})
     log(f"results: {out}")
     if not args.no_plot:
