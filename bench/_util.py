@@ -42,7 +42,16 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "loadavg": loadavg(),
     }
+
+
+def loadavg() -> str:
+    """The 1-minute load average: other work on a shared machine, the context of every number."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
 
 
 def log(msg: str) -> None:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import GC, RESULTS, argv_line, goal, log, machine, save_json, table  # noqa: E402
+from _util import GC, RESULTS, argv_line, goal, loadavg, log, machine, save_json, table  # noqa: E402
 
 import raydcp.planner as P  # noqa: E402
 from raydcp.codec import itemsize  # noqa: E402
@@ -385,7 +385,7 @@ def main() -> None:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     info = machine()
     log(f"machine: {info['nproc']} CPUs, {info['mem_gib']} GiB RAM; pinned to CPUs {sorted(os.sched_getaffinity(0))}; "
-        f"times are CPU seconds of this process")
+        f"times are CPU seconds of this process; load average {info['loadavg']}")
     # warm up (first calls import and initialise: pyarrow's IPC and zstd, torch's DCP modules)
     _lps = raydcp_local_plans(4, 12)
     raydcp_load_plan(_save_steps(_lps), raydcp_load_plans(2, 4, 12))
@@ -403,7 +403,8 @@ def main() -> None:
         log(f"torch DCP: {peer['ranks']} ranks x {args.tensors} tensors; load on {peer['load_ranks']} ranks")
         dcp = run_dcp(peer["ranks"], peer["load_ranks"], args.tensors, args.dcp_sample_ranks)
     text, summary = report(points, dcp)
-    print(f"\n## planning  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, pinned to one CPU, CPU seconds)\n")
+    print(f"\n## planning  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, pinned to one CPU, CPU seconds;"
+          f" load average {info['loadavg']} at the start, {loadavg()} at the end)\n")
     print(f"command: {argv_line()}\n")
     print(text)
     if args.profile:
@@ -427,8 +428,11 @@ def plot(points: list[dict], path: Path) -> None:
     for name in ("plan_save", "build_md", "encode", "decode", "load_plan", "total"):
         ax.plot(x, [p[name] for p in points], marker="o", label=name)
     ax.axhline(2.0, color="grey", ls="--", label="goal: 2 s total")
+    ax.plot(x, [points[0]["total"] * n / x[0] for n in x], color="black", ls=":", label="linear from the first total")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("pieces (ranks x tensors)")
-    ax.set_ylabel("seconds, one CPU")
+    ax.set_ylabel("CPU seconds, one CPU")
     ax.set_title("raydcp planning cost")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -29,6 +29,7 @@ import io
 import os
 import pstats
 import shutil
+import signal
 import sys
 import tempfile
 import warnings
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import GC, RESULTS, argv_line, goal, log, machine, median, save_json, table, timed  # noqa: E402
+from _util import GC, RESULTS, argv_line, goal, loadavg, log, machine, median, save_json, table, timed  # noqa: E402
 
 import raydcp  # noqa: E402
 
@@ -362,9 +363,10 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the temp dir is removed when killed
     info = machine()
     root = tempfile.mkdtemp(prefix="raydcp-bench-", dir=args.dir or "/tmp")
-    log(f"machine: {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, torch {info['torch']}; writing under {root}")
+    log(f"machine: {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, torch {info['torch']}; load average {info['loadavg']}; writing under {root}")
     sets = {"large": lambda: make_large(args.large_mib), "small": lambda: make_small(args.small_count)}
     if args.only:
         sets = {args.only: sets[args.only]}
@@ -387,7 +389,8 @@ def main() -> None:
             gc.collect()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\n## single_process  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM)\n")
+    print(f"\n## single_process  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM;"
+          f" load average {info['loadavg']} at the start, {loadavg()} at the end)\n")
     print(f"command: {argv_line()}\n")
     print("\n".join(texts))
     out = save_json("single_process" + ("-cold" if args.cold else ""),
