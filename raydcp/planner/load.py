@@ -6,6 +6,7 @@ least loaded), so read amplification is at most 1.0 and the reads are spread.
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
@@ -63,6 +64,31 @@ def _names(keys: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
+class _ChunkIndex:
+    """The chunks of one tensor sorted along the dimension they are split most along, so the
+    chunks a box may overlap are found by bisection instead of a scan of every chunk."""
+
+    def __init__(self, chunks: Sequence[SourceChunk]):
+        self.chunks = chunks
+        nd = len(chunks[0].offsets) if chunks else 0
+        self.dim = max(range(nd), key=lambda d: len({c.offsets[d] for c in chunks})) if nd else -1
+        if self.dim < 0:
+            self.order, self.starts, self.span = list(range(len(chunks))), [], 0
+            return
+        d = self.dim
+        self.order = sorted(range(len(chunks)), key=lambda i: chunks[i].offsets[d])
+        self.starts = [chunks[i].offsets[d] for i in self.order]
+        self.span = max((c.sizes[d] for c in chunks), default=0)
+
+    def candidates(self, offsets, sizes):
+        if self.dim < 0:
+            return self.order
+        lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
+        first = bisect.bisect_left(self.starts, lo - self.span + 1)
+        last = bisect.bisect_left(self.starts, hi)
+        return self.order[first:last]
+
+
 def plan_load(
     sources: Mapping[str, Sequence[SourceChunk]],
     local_plans: Sequence[LocalLoadPlan],
@@ -75,12 +101,14 @@ def plan_load(
     wanted: dict[tuple[str, int], list[Delivery]] = defaultdict(list)
     chunk_of: dict[tuple[str, int], SourceChunk] = {}
     needed = [0] * world
+    index = {key: _ChunkIndex(chunks) for key, chunks in sources.items()}
     for lp in local_plans:
         for idx, it in enumerate(lp.items):
-            chunks = sources.get(it.key)
-            if chunks is None:
+            ix = index.get(it.key)
+            if ix is None:
                 continue
-            for ci, ch in enumerate(chunks):
+            for ci in ix.candidates(it.offsets, it.sizes):
+                ch = ix.chunks[ci]
                 box = intersect(ch.offsets, ch.sizes, it.offsets, it.sizes)
                 if box is None:
                     continue
