@@ -1,0 +1,237 @@
+"""Multi-round save: one checkpoint written in several rounds, committed once, resumable.
+
+A checkpoint that is not held in memory at once (a streaming reshard, a conversion) is
+written in rounds, each holding a bounded part of the state. The protocol:
+
+1. the driver picks the checkpoint's save id ``base`` (:func:`new_save_id`, or the one a
+   :class:`RoundJournal` resumes);
+2. for each round ``i``, every rank of a transport calls :func:`write_round` with the pieces
+   of this round only. The coordinator plans the round with ``plan_save`` (validation, replicas
+   written once, bytes balanced) under the round's own save id ``<base>/<i>``, so its files
+   ``data/<base>/<i>/r<rank>-f<n>.bin`` never collide with another round's, nor with the files
+   of a checkpoint already committed at that path. Each rank writes its files durably; the
+   coordinator gathers the storage records and hands them to rank 0 as one
+   :class:`RoundRecords` (the other ranks get None). The driver may journal them
+   (:meth:`RoundJournal.record`) so that a rerun skips the round;
+3. after the last round the driver calls :func:`commit_rounds` once: it checks that the rounds
+   together tile every tensor exactly, writes the metadata atomically and last, then removes
+   every data file the new metadata does not reference (earlier saves, journal, leftovers).
+
+Until step 3 no reader sees anything new: a failure before the commit leaves the previously
+committed checkpoint at that path (if any) intact and loadable.
+
+A round may hold part of a tensor (say a block of its rows) under a *round key* of its own:
+the round's plan sees it as a whole tensor of the block's shape, and ``commit_rounds`` places
+it with ``placement`` (round key -> (key, offsets of the block)).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Mapping, Sequence
+
+from ..errors import CheckpointError, RankFailure
+from ..metadata import ChunkMeta, Metadata, TensorMeta, encode_metadata
+from ..planner import SavePlanOptions, TensorSpec
+from ..planner.save import _tiling_problems
+from ..state import flatten_state
+from ..storage import CheckpointStorage
+from ..transport import Transport
+from .save import _name_storage_error, _reduce_save_plan, local_save_plan, write_rank_files
+
+__all__ = ["RoundRecords", "new_save_id", "round_save_id", "write_round", "commit_rounds", "RoundJournal"]
+
+# a record: (round key, offsets, sizes, file, byte offset, nbytes, crc32c, block crcs), as write_rank_files
+Record = tuple
+
+
+@dataclass(frozen=True)
+class RoundRecords:
+    """What one round wrote: its save id, its tensors (by round key) and one record per piece."""
+
+    save_id: str
+    tensors: Mapping[str, TensorSpec]
+    records: tuple[Record, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r[5] for r in self.records)
+
+    def to_json(self) -> dict:
+        return {"save_id": self.save_id,
+                "tensors": {k: [s.dtype, list(s.shape)] for k, s in self.tensors.items()},
+                "records": [[k, list(o), list(s), f, b, n, c, list(bl)] for k, o, s, f, b, n, c, bl in self.records]}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "RoundRecords":
+        return cls(obj["save_id"],
+                   {k: TensorSpec(d, tuple(s)) for k, (d, s) in obj["tensors"].items()},
+                   tuple((k, tuple(o), tuple(s), f, int(b), int(n), int(c), tuple(bl))
+                         for k, o, s, f, b, n, c, bl in obj["records"]))
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def round_save_id(base: str, index: int) -> str:
+    """The save id of round ``index``: its files are ``data/<base>/<index>/...``."""
+    return f"{base}/{index:05d}"
+
+
+def _reduce_round_records(values: Sequence[tuple]) -> list:
+    save_id, _, tensors, _ = values[0][1]
+    records = tuple(rec for recs, _ in values for rec in recs)
+    return [RoundRecords(save_id, dict(tensors), records)] + [None] * (len(values) - 1)
+
+
+def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: str, *,
+                storage_options: dict | None = None, max_file_bytes: int = SavePlanOptions().max_file_bytes,
+                failure: BaseException | None = None) -> RoundRecords | None:
+    """Step 2 for one rank (every rank of ``transport`` calls it): write this round's pieces.
+
+    ``state`` holds tensors only (plain values go to :func:`commit_rounds`). Returns the
+    round's records on rank 0, None on the others. Nothing is committed. A rank that failed
+    while preparing its pieces still calls, passing the exception as ``failure``: every rank
+    then raises one CheckpointError naming it, rather than waiting for it.
+    """
+    rank = transport.rank
+    staged = None
+    try:
+        if failure is not None:
+            raise failure
+        staged = local_save_plan(rank, flatten_state(state), compare_replicas=False)
+        if staged.plan.values:
+            raise CheckpointError(f"write_round: plain values {sorted(staged.plan.values)[:5]} belong in "
+                                  "commit_rounds(values=...), not in a round")
+        local: Any = staged.plan
+    except Exception as exc:
+        local = RankFailure.from_exception(rank, exc)
+    options = SavePlanOptions(save_id=save_id, max_file_bytes=max_file_bytes)
+    plan, header = transport.reduce_scatter("round: plan", local, partial(_reduce_save_plan, options))
+    try:
+        written: Any = (write_rank_files(CheckpointStorage(checkpoint_id, storage_options), plan, staged), header)
+    except Exception as exc:
+        written = RankFailure.from_exception(rank, _name_storage_error(exc, checkpoint_id))
+    return transport.reduce_scatter("round: written", written, _reduce_round_records)
+
+
+def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Sequence[RoundRecords],
+                  tensors: Mapping[str, TensorSpec], values: Mapping[str, Any] | None = None, *,
+                  placement: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+                  extra: Mapping[str, Any] | None = None, storage_options: dict | None = None) -> Metadata:
+    """Step 3, once, on one process: commit the rounds' pieces as one checkpoint; returns its metadata.
+
+    ``tensors`` are the checkpoint's tensors (key -> dtype and global shape); a round key not
+    in ``placement`` is the key itself, at offset 0. Raises CheckpointError, committing
+    nothing, if a round belongs to another save or the pieces do not tile every tensor.
+    """
+    placement = placement or {}
+    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in tensors}
+    problems: list[str] = []
+    for rnd in rounds:
+        if not rnd.save_id.startswith(f"{save_id}/"):
+            raise CheckpointError(f"commit_rounds: round {rnd.save_id!r} is not a round of save {save_id!r}")
+        for rkey, spec in rnd.tensors.items():
+            key, base = placement.get(rkey, (rkey, (0,) * len(spec.shape)))
+            if key not in tensors or tensors[key].dtype != spec.dtype or len(base) != len(tensors[key].shape):
+                problems.append(f"{rkey}: round {rnd.save_id} holds {spec.dtype}{list(spec.shape)}, which is no "
+                                f"part of any tensor of the checkpoint")
+        for rkey, offsets, sizes, file, off, nbytes, crc, blocks in rnd.records:
+            key, base = placement.get(rkey, (rkey, (0,) * len(offsets)))
+            if key not in chunks:
+                continue  # reported above
+            absolute = tuple(b + o for b, o in zip(base, offsets))
+            chunks[key].append(ChunkMeta(absolute, sizes, file, off, nbytes, crc, blocks))
+    for key, spec in tensors.items():
+        problems.extend(_tiling_problems(key, spec.shape, [(c.offsets, c.sizes) for c in chunks[key]]))
+    if problems:
+        raise CheckpointError(f"commit_rounds {checkpoint_id}: the rounds do not form the checkpoint, nothing "
+                              "committed:\n  " + "\n  ".join(problems[:20]))
+    md = Metadata(
+        save_id=save_id,
+        world_size=world_size,
+        created_at=time.time(),
+        tensors={k: TensorMeta(s.dtype, tuple(s.shape), tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+                 for k, s in tensors.items()},
+        values=dict(values or {}),
+        extra=dict(extra or {}),
+    )
+    storage = CheckpointStorage(checkpoint_id, storage_options)
+    storage.commit(encode_metadata(md))
+    # earlier saves to this path, the journal, files of a round attempt that did not finish: all
+    # unreachable now
+    keep = set(md.files)
+    stale = [f for f in storage.list_files("data/") if f not in keep]
+    if stale:
+        storage.remove_files(stale)
+    return md
+
+
+class RoundJournal:
+    """Durable progress of a multi-round save, beside its data, so a rerun resumes it.
+
+    Files (all under ``data/``, so :func:`commit_rounds` removes them with the leftovers):
+    ``data/<base>/journal/job.json`` holds the job's identity (any JSON the caller picks: the
+    source, the options); ``data/<base>/journal/<i>.json`` the records of round ``i``, written
+    after the round's files are durable. Protocol:
+
+    1. ``RoundJournal(checkpoint_id, job)`` finds the journal of the same ``job`` among the
+       uncommitted files at the path (resuming its ``save_id`` and :attr:`done` rounds), or
+       starts a new one (:meth:`start` writes ``job.json``);
+    2. after each round, :meth:`record` writes the round's records;
+    3. :func:`commit_rounds` with ``[*done rounds, *new rounds]``.
+
+    A resumed round's files are checked to exist with at least the recorded size; a round
+    whose files are gone is simply run again.
+    """
+
+    def __init__(self, checkpoint_id: str, job: Mapping[str, Any], storage_options: dict | None = None):
+        self.storage = CheckpointStorage(checkpoint_id, storage_options)
+        self.job = json.loads(json.dumps(job, sort_keys=True))
+        self.done: dict[int, RoundRecords] = {}
+        self.save_id = None
+        for name in self.storage.list_files("data/"):
+            parts = name.split("/")
+            if len(parts) == 4 and parts[2] == "journal" and parts[3] == "job.json":
+                try:
+                    found = json.loads(self.storage.read_file(name))
+                except (CheckpointError, ValueError):
+                    continue
+                if found == self.job:
+                    self.save_id = parts[1]
+                    self._load_rounds()
+                    break
+        self.resumed = self.save_id is not None
+        if self.save_id is None:
+            self.save_id = new_save_id()
+
+    def _dir(self) -> str:
+        return f"data/{self.save_id}/journal"
+
+    def _load_rounds(self) -> None:
+        sizes: dict[str, int | None] = {}
+        for name in self.storage.list_files(self._dir() + "/"):
+            stem = name.rsplit("/", 1)[1].removesuffix(".json")
+            if not stem.isdigit():
+                continue
+            try:
+                rnd = RoundRecords.from_json(json.loads(self.storage.read_file(name)))
+            except (CheckpointError, ValueError, KeyError, TypeError):
+                continue  # a torn journal entry: run the round again
+            need: dict[str, int] = {}
+            for rec in rnd.records:
+                need[rec[3]] = max(need.get(rec[3], 0), rec[4] + rec[5])
+            if all((sizes.setdefault(f, self.storage.file_size(f)) or 0) >= n for f, n in need.items()):
+                self.done[int(stem)] = rnd
+
+    def start(self) -> None:
+        if not self.resumed:
+            self.storage.write_file(f"{self._dir()}/job.json", json.dumps(self.job, sort_keys=True).encode())
+
+    def record(self, index: int, rnd: RoundRecords) -> None:
+        self.storage.write_file(f"{self._dir()}/{index:05d}.json", json.dumps(rnd.to_json()).encode())
+        self.done[index] = rnd
