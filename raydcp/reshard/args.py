@@ -1,0 +1,74 @@
+"""The command-line options shared by ``raydcp reshard`` and ``jobs/reshard.py``."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..errors import CheckpointError
+from .plan import LAYOUTS, OPTIMIZER_PREFIXES, ReshardOptions
+
+__all__ = ["add_reshard_arguments", "options_from_args", "storage_options_from_args"]
+
+
+def add_reshard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="the committed raydcp checkpoint to reshard (local path or fsspec URL)")
+    parser.add_argument("dst", help="where to write the resharded checkpoint")
+    parser.add_argument("--world-size", "-M", type=int, required=True, metavar="M",
+                        help="the number of ranks the destination is laid out for")
+    parser.add_argument("--layout", choices=LAYOUTS, default=None,
+                        help="how each tensor is split among the M ranks: dim0 (default; FSDP-style rows), "
+                             "dim1 (columns, tensor-parallel style) or replicated (written once)")
+    parser.add_argument("--consolidate", action="store_true",
+                        help="store every tensor whole, as one piece (each held by one of the M ranks)")
+    parser.add_argument("--dtype", default=None, metavar="DTYPE",
+                        help="cast floating tensors to DTYPE (bf16, fp16, fp32, ...); others are copied unchanged")
+    parser.add_argument("--drop-optimizer", action="store_true",
+                        help=f"leave out optimizer state (keys under {', '.join(OPTIMIZER_PREFIXES)})")
+    parser.add_argument("--drop", action="append", default=[], metavar="PREFIX",
+                        help="leave out this key and the keys under it (repeatable), e.g. --drop model.lm_head")
+    parser.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
+                        help="tensor bytes one process holds at a time (default 1GiB); the work is cut into "
+                             "rounds that fit, a tensor larger than that into blocks of rows")
+    parser.add_argument("--max-file-size", default="256MiB", metavar="SIZE",
+                        help="largest data file a rank writes per round (default 256MiB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a checkpoint DST already holds (it stays loadable until the new one commits)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                        help="seconds a rank waits for the others at any step before failing (default 600)")
+    parser.add_argument("--storage-options", metavar="JSON", default=None,
+                        help="fsspec options for SRC and DST, as a JSON object")
+    parser.add_argument("--src-storage-options", metavar="JSON", default=None,
+                        help="fsspec options for SRC only (overrides --storage-options)")
+    parser.add_argument("--dst-storage-options", metavar="JSON", default=None,
+                        help="fsspec options for DST only (overrides --storage-options)")
+
+
+def options_from_args(args: argparse.Namespace) -> ReshardOptions:
+    from ..convert import parse_size
+
+    if args.consolidate and args.layout is not None:
+        raise CheckpointError("--consolidate stores whole tensors: it cannot be combined with --layout")
+    return ReshardOptions(world_size=args.world_size, layout=args.layout or "dim0", dtype=args.dtype,
+                          drop_optimizer=args.drop_optimizer, drop_prefixes=tuple(args.drop),
+                          consolidate=args.consolidate, memory_budget=parse_size(args.memory_budget),
+                          max_file_bytes=parse_size(args.max_file_size))
+
+
+def _json_object(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{flag} must be a JSON object")
+    return value
+
+
+def storage_options_from_args(args: argparse.Namespace) -> tuple[dict | None, dict | None]:
+    """``(SRC options, DST options)``."""
+    both = _json_object(args.storage_options, "--storage-options")
+    src = _json_object(args.src_storage_options, "--src-storage-options")
+    dst = _json_object(args.dst_storage_options, "--dst-storage-options")
+    return (src if src is not None else both), (dst if dst is not None else both)

@@ -1,0 +1,271 @@
+"""Reshard planning (pure): which tensors go into the destination, in which layout, in which rounds.
+
+A reshard copies a committed checkpoint SRC to DST laid out for ``world_size`` ranks, optionally
+casting floating tensors (``dtype``), dropping keys (``drop_optimizer``, ``drop_prefixes``) or
+consolidating every tensor into one whole piece (``consolidate``). It streams: the tensors are
+cut into *rounds* whose pieces fit ``memory_budget`` bytes per process, and each round is loaded
+and written before the next one starts (:mod:`raydcp.engine.rounds` commits them as one checkpoint).
+
+Layouts (the same as ``raydcp.ShardGroup``'s): ``dim0`` splits dimension 0 into ``torch.chunk``
+pieces (trailing ranks may hold empty pieces), ``dim1`` the same along dimension 1 (1-D tensors
+along dimension 0), ``replicated`` gives every rank the whole tensor (written once); 0-D tensors
+are replicated. ``consolidate`` gives each tensor, whole, to one rank (balanced by bytes).
+
+A tensor whose pieces alone exceed the budget is cut into blocks of dimension-0 rows, each a
+part of its own (with ``consolidate`` that is an error: a whole tensor must fit).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from ..codec import DTYPES, dtype_from_name, itemsize
+from ..errors import CheckpointError
+from ..metadata import Metadata
+from ..planner import TensorSpec
+from ..planner.boxes import numel
+from ..planner.save import ALIGN, _tiling_problems
+
+__all__ = ["LAYOUTS", "OPTIMIZER_PREFIXES", "ReshardOptions", "Part", "Round", "ReshardPlan", "plan_reshard",
+           "piece_box", "part_box", "dtype_alias"]
+
+LAYOUTS = ("dim0", "dim1", "replicated")
+OPTIMIZER_PREFIXES = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+            "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn"}
+# the two ways of counting a round's memory: one process holds every rank's pieces (threads),
+# or one process per rank (actors)
+PER_PROCESS = ("sum", "max")
+
+
+def dtype_alias(name: str) -> str:
+    """A floating dtype name as raydcp stores it (``bf16`` -> ``bfloat16``)."""
+    full = _ALIASES.get(str(name).lower(), str(name).lower())
+    if full not in DTYPES or not DTYPES[full].is_floating_point:
+        floats = [n for n, d in DTYPES.items() if d.is_floating_point]
+        raise CheckpointError(f"--dtype {name!r} is not a floating dtype; choose one of {', '.join(floats)} "
+                              f"(or {', '.join(_ALIASES)})")
+    return full
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardOptions:
+    """What the destination holds and how the work is cut (validated here)."""
+
+    world_size: int
+    layout: str = "dim0"
+    dtype: str | None = None             # cast floating tensors to it; others are copied as they are
+    drop_optimizer: bool = False         # drop keys under OPTIMIZER_PREFIXES
+    drop_prefixes: tuple[str, ...] = ()  # drop these keys and everything under them (dotted FQNs)
+    consolidate: bool = False            # each tensor whole, on one rank
+    memory_budget: int = 1 << 30         # bytes of tensor data one process holds at a time
+    max_file_bytes: int = 256 << 20      # a rank's pieces of a round are coalesced into files up to this
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise CheckpointError(f"--world-size must be an integer >= 1, got {self.world_size!r}")
+        if self.layout not in LAYOUTS:
+            raise CheckpointError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_alias(self.dtype))
+        prefixes = tuple(self.drop_prefixes)
+        if any(not isinstance(p, str) or not p.strip(". ") for p in prefixes):
+            raise CheckpointError(f"--drop prefixes must be non-empty key prefixes, got {list(prefixes)}")
+        object.__setattr__(self, "drop_prefixes", tuple(sorted({p.strip(".") for p in prefixes})))
+        for knob in ("memory_budget", "max_file_bytes"):
+            v = getattr(self, knob)
+            if not isinstance(v, int) or isinstance(v, bool) or v < ALIGN:
+                raise CheckpointError(f"{knob.replace('_', '-')} must be at least {ALIGN} bytes, got {v!r}")
+
+    def identity(self) -> dict:
+        """The options that decide what the destination holds (recorded in its metadata)."""
+        out = asdict(self)
+        out.pop("memory_budget")
+        out.pop("max_file_bytes")
+        out["drop_prefixes"] = list(self.drop_prefixes)
+        if self.consolidate:
+            out["layout"] = "consolidated"
+        return out
+
+    def dropped(self, key: str) -> bool:
+        prefixes = self.drop_prefixes + (OPTIMIZER_PREFIXES if self.drop_optimizer else ())
+        return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One unit of work: tensor ``tensor`` whole, or the block ``rows`` of its dimension-0 rows.
+
+    ``key`` names the part inside its round (the tensor's key, or ``<key>#<n>`` for block n).
+    """
+
+    key: str
+    tensor: str
+    shape: tuple[int, ...]
+    src_dtype: str
+    dst_dtype: str
+    rows: tuple[int, int] | None = None
+    owner: int | None = None             # consolidate: the one rank holding it
+
+    @property
+    def box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The part's box in the tensor."""
+        if self.rows is None:
+            return (0,) * len(self.shape), tuple(self.shape)
+        lo, hi = self.rows
+        return (lo,) + (0,) * (len(self.shape) - 1), (hi - lo,) + tuple(self.shape[1:])
+
+
+@dataclass(frozen=True)
+class Round:
+    index: int
+    parts: tuple[Part, ...]
+    nbytes: int          # bytes the round writes
+    peak_bytes: int      # tensor bytes one process holds during the round (the budgeted quantity)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    options: ReshardOptions
+    per_process: str
+    source_save_id: str
+    source_world_size: int
+    tensors: Mapping[str, TensorSpec]    # the destination's tensors
+    values: Mapping[str, Any]            # the destination's plain values
+    dropped: tuple[str, ...]
+    rounds: tuple[Round, ...]
+    placement: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # round key -> (key, offsets)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rounds)
+
+    def identity(self) -> dict:
+        """What makes a run of this plan the same job (journal, idempotency)."""
+        return {"source_save_id": self.source_save_id, "options": self.options.identity()}
+
+
+def piece_box(shape: tuple[int, ...], layout: str, rank: int, world_size: int):
+    """``(offsets, sizes)`` of ``rank``'s piece of a tensor of ``shape``, or None for the whole tensor."""
+    if layout == "replicated" or len(shape) == 0:
+        return None
+    d = 1 if layout == "dim1" and len(shape) >= 2 else 0
+    n = shape[d]
+    step = -(-n // world_size)  # torch.chunk's piece size
+    lo = min(rank * step, n)
+    hi = min(lo + step, n)
+    return (tuple(lo if i == d else 0 for i in range(len(shape))),
+            tuple(hi - lo if i == d else s for i, s in enumerate(shape)))
+
+
+def part_box(part: Part, layout: str, rank: int, world_size: int):
+    """The box of the tensor that ``rank`` holds of ``part`` (absolute offsets), or None if nothing."""
+    p_off, p_size = part.box
+    if part.owner is not None:
+        return (p_off, p_size) if rank == part.owner else None
+    if numel(p_size) == 0:  # an empty tensor: one rank declares it, so the destination has the key
+        return (p_off, p_size) if rank == 0 else None
+    box = piece_box(part.shape, layout, rank, world_size)
+    if box is None:
+        return p_off, p_size
+    off = tuple(max(a, b) for a, b in zip(box[0], p_off))
+    end = tuple(min(a + n, b + m) for a, n, b, m in zip(box[0], box[1], p_off, p_size))
+    size = tuple(max(0, e - o) for o, e in zip(off, end))
+    return (off, size) if numel(size) > 0 else None
+
+
+def _bytes_per_rank(part: Part, layout: str, world_size: int) -> list[int]:
+    """Tensor bytes each rank holds for ``part``: the loaded piece plus its cast copy."""
+    per_elem = itemsize(part.src_dtype) + (itemsize(part.dst_dtype) if part.dst_dtype != part.src_dtype else 0)
+    out = []
+    for r in range(world_size):
+        box = part_box(part, layout, r, world_size)
+        out.append(0 if box is None else numel(box[1]) * per_elem)
+    return out
+
+
+def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "max") -> ReshardPlan:
+    """Cut the reshard of the checkpoint described by ``md`` into rounds (pure; CheckpointError).
+
+    ``per_process`` says how a round's memory is counted against ``options.memory_budget``:
+    ``"max"`` when each rank is its own process (actors), ``"sum"`` when one process runs
+    every rank (threads).
+    """
+    if per_process not in PER_PROCESS:
+        raise CheckpointError(f"per_process must be one of {PER_PROCESS}, got {per_process!r}")
+    world, budget, layout = options.world_size, options.memory_budget, options.layout
+    gaps = [p for k, t in md.tensors.items() for p in _tiling_problems(k, t.shape, [(c.offsets, c.sizes)
+                                                                                        for c in t.chunks])]
+    if gaps:
+        raise CheckpointError("the source's metadata does not describe whole tensors (run `raydcp verify`): "
+                              + "; ".join(gaps[:5]))
+    dropped = tuple(k for k in md.keys() if options.dropped(k))
+    keep = [k for k in sorted(md.tensors) if not options.dropped(k)]
+    values = {k: v for k, v in md.values.items() if not options.dropped(k)}
+
+    def cast(dtype: str) -> str:
+        return options.dtype if options.dtype and dtype_from_name(dtype).is_floating_point else dtype
+
+    tensors = {k: TensorSpec(cast(md.tensors[k].dtype), tuple(md.tensors[k].shape)) for k in keep}
+    combine = sum if per_process == "sum" else max
+
+    rounds: list[Round] = []
+    placement: dict[str, tuple[str, tuple[int, ...]]] = {}
+    parts: list[Part] = []
+    loads = [0] * world
+    held: set[str] = set()
+
+    def close() -> None:
+        nonlocal parts, loads, held
+        if parts:
+            nbytes = sum(numel(p.box[1]) * itemsize(p.dst_dtype) for p in parts)
+            rounds.append(Round(len(rounds), tuple(parts), nbytes, combine(loads)))
+        parts, loads, held = [], [0] * world, set()
+
+    def add(part: Part) -> None:
+        nonlocal loads
+        if options.consolidate:  # the least loaded rank of the round holds it
+            part = Part(**{**part.__dict__, "owner": min(range(world), key=lambda r: (loads[r], r))})
+        cost = _bytes_per_rank(part, layout, world)
+        new = [a + b for a, b in zip(loads, cost)]
+        if parts and (combine(new) > budget or part.tensor in held):
+            close()
+            if options.consolidate:
+                part = Part(**{**part.__dict__, "owner": 0})
+                cost = _bytes_per_rank(part, layout, world)
+            new = cost
+        parts.append(part)
+        held.add(part.tensor)
+        loads = new
+
+    for key in keep:
+        t = md.tensors[key]
+        whole = Part(key, key, tuple(t.shape), t.dtype, cast(t.dtype))
+        probe = whole if not options.consolidate else Part(**{**whole.__dict__, "owner": 0})
+        need = combine(_bytes_per_rank(probe, layout, world))
+        if need <= budget or len(t.shape) == 0 or t.shape[0] <= 1:
+            if need > budget and options.consolidate:
+                raise _too_big(key, need, budget)
+            add(whole)  # a tensor that cannot be cut goes alone, over budget
+            continue
+        if options.consolidate:
+            raise _too_big(key, need, budget)
+        # blocks of rows: a block of r rows costs r times what a block of one row costs
+        row = combine(_bytes_per_rank(Part(key, key, tuple(t.shape), t.dtype, cast(t.dtype), rows=(0, 1)),
+                                      layout, world))
+        rows = max(1, budget // max(row, 1))
+        for n, lo in enumerate(range(0, t.shape[0], rows)):
+            rkey = f"{key}#{n}"
+            while rkey in md.tensors:
+                rkey += "#"
+            hi = min(lo + rows, t.shape[0])
+            placement[rkey] = (key, (lo,) + (0,) * (len(t.shape) - 1))
+            add(Part(rkey, key, tuple(t.shape), t.dtype, cast(t.dtype), rows=(lo, hi)))
+    close()
+    return ReshardPlan(options, per_process, md.save_id, md.world_size, tensors, values, dropped,
+                       tuple(rounds), placement)
+
+
+def _too_big(key: str, need: int, budget: int) -> CheckpointError:
+    return CheckpointError(f"{key} needs {need} bytes whole, over --memory-budget {budget}: --consolidate keeps "
+                           f"every tensor whole, so raise --memory-budget to at least {need}")
