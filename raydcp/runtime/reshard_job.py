@@ -1,0 +1,216 @@
+"""Reshard jobs on a Ray cluster: the ranks of each round are the actors of a ``raydcp.ShardGroup``.
+
+``jobs/reshard.py`` (``ray job submit -- python jobs/reshard.py SRC DST --world-size M``) calls
+:func:`main`. The work is the one of :mod:`raydcp.reshard` (plan, rounds, one commit); this module
+only supplies the executor:
+
+1. :class:`RayExecutor` starts ``ShardGroup(M)`` (one actor per GPU by default, CPU actors with a
+   warning on a cluster without GPUs) -- only once the driver knows there is work to do;
+2. for each round, every actor runs :func:`raydcp.reshard.run_round` (through ``apply``) over
+   the job's ``raydcp.Group`` (one operation, so one coordinator actor, for all rounds): its
+   pieces are loaded from storage (each source byte read by one actor; pieces move through the
+   object store) and written as the round's files; the driver gathers every actor's outcome and
+   raises one CheckpointError naming failed or dead ranks (a failed round is not retried here:
+   a rerun of the job resumes after the last finished round);
+3. ``close`` records each actor's peak resident memory, then shuts the group down.
+
+The driver (the job's entrypoint) holds only metadata; tensor data lives in the actors, at most
+``--memory-budget`` bytes of it in each at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import sys
+import time
+import uuid
+from typing import Any, Sequence
+
+import ray
+from ray import exceptions as rex
+
+from ..engine.rounds import RoundRecords
+from ..errors import CheckpointError
+from ..group import Group
+from ..reshard import ReshardOptions, ReshardResult, RoundTask, reshard_with, run_round
+from ..reshard.args import add_reshard_arguments, options_from_args, storage_options_from_args
+
+__all__ = ["RayExecutor", "reshard_on_ray", "build_parser", "main"]
+
+log = logging.getLogger(__name__)
+
+_GRACE_S = 30.0  # once a rank failed, how long the driver waits for the others' outcomes
+
+
+# Per actor process: the open transport of each running job. One Group operation (one
+# coordinator actor) serves every round of a job, rather than starting a coordinator per round.
+_TRANSPORTS: dict[str, Any] = {}
+
+
+def _rank_round(state: dict, name: str, rank: int, world_size: int, timeout_s: float, task: RoundTask):
+    """Runs in actor ``rank`` (``ShardActor.apply``): one round; a CheckpointError is returned, not raised."""
+    transport = _TRANSPORTS.get(name)
+    if transport is None:
+        transport = _TRANSPORTS[name] = Group(name, rank, world_size, timeout_s=timeout_s).open_transport()
+    try:
+        return run_round(transport, task)
+    except CheckpointError as exc:  # the operation failed on every rank: it cannot go on
+        _close_job(state, name)
+        return exc
+
+
+def _close_job(state: dict, name: str) -> None:
+    transport = _TRANSPORTS.pop(name, None)
+    if transport is not None:
+        transport.close()
+
+
+def _peak_rss(state: dict) -> int:
+    """Runs in an actor: the process's peak resident memory, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RayExecutor:
+    """The ranks of every round are the actors of one ShardGroup (see the module doc)."""
+
+    per_process = "max"
+
+    def __init__(self, world_size: int, *, num_gpus_per_actor: float = 1, timeout_s: float = 600.0):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        from .shard_group import ShardGroup
+
+        self.group = ShardGroup(world_size, num_gpus_per_actor=num_gpus_per_actor, timeout_s=timeout_s)
+        self.peak_rss: list[int] = []
+        self._name = f"reshard-{uuid.uuid4().hex[:12]}"
+
+    def run(self, task: RoundTask) -> RoundRecords:
+        refs = {a.apply.remote(_rank_round, self._name, r, self.world_size, self.timeout_s, task): r
+                for r, a in enumerate(self.group.actors)}
+        results, errors, dead = self._gather(refs)
+        if errors or dead or len(results) < self.world_size:
+            raise self._error(task, results, errors, dead)
+        return results[0]
+
+    def _gather(self, refs: dict) -> tuple[dict[int, Any], dict[int, str], list[int]]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        dead: list[int] = []
+        pending = dict(refs)
+        deadline = None
+        while pending:
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            if not ready:
+                break
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    value = ray.get(ref)
+                except rex.RayActorError:
+                    dead.append(r)
+                    continue
+                except rex.RayError as exc:
+                    errors[r] = f"unexpected {type(exc).__name__}: {exc}"
+                    continue
+                if isinstance(value, CheckpointError):
+                    errors[r] = str(value)
+                else:
+                    results[r] = value
+            if dead:  # the round cannot finish: the others would only wait for the dead one to time out
+                break
+            if errors and deadline is None:  # the others fail together with it: collect their words
+                deadline = time.monotonic() + _GRACE_S
+        return results, errors, sorted(dead)
+
+    def _error(self, task: RoundTask, results: dict, errors: dict, dead: list) -> CheckpointError:
+        stuck = sorted(set(range(self.world_size)) - set(results) - set(errors) - set(dead))
+        parts = []
+        by_message: dict[str, list[int]] = {}
+        for r, msg in sorted(errors.items()):
+            by_message.setdefault(msg, []).append(r)
+        parts += [f"on ranks {ranks}: {msg}" for msg, ranks in by_message.items()]
+        if dead:
+            parts.append(f"the actors of ranks {dead} died")
+        if stuck:
+            parts.append(f"ranks {stuck} did not finish")
+        failures = {**errors, **{r: "its actor died" for r in dead}, **{r: "did not finish" for r in stuck}}
+        body = "; ".join(parts)
+        return CheckpointError(f"reshard round {task.round.index + 1} failed {body}; nothing was committed, rerun "
+                               "the job to resume after the last finished round", failures)
+
+    def close(self) -> None:
+        try:
+            refs = [a.apply.remote(_close_job, self._name) for a in self.group.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+            refs = [a.apply.remote(_peak_rss) for a in self.group.actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+            self.peak_rss = [ray.get(r) for r in ready]
+        except Exception:  # a dead actor: no figure, still shut down
+            pass
+        self.group.shutdown()
+
+
+def reshard_on_ray(src: str, dst: str, options: ReshardOptions, *, num_gpus_per_actor: float = 1,
+                   timeout_s: float = 600.0, src_storage_options: dict | None = None,
+                   dst_storage_options: dict | None = None, overwrite: bool = False,
+                   progress=None, log=None) -> tuple[ReshardResult, list[int]]:
+    """Reshard on the connected Ray cluster; returns the result and each actor's peak RSS (bytes)."""
+    executors: list[RayExecutor] = []
+
+    def make() -> RayExecutor:
+        executors.append(RayExecutor(options.world_size, num_gpus_per_actor=num_gpus_per_actor, timeout_s=timeout_s))
+        return executors[0]
+
+    result = reshard_with(make, RayExecutor.per_process, src, dst, options, src_storage_options=src_storage_options,
+                          dst_storage_options=dst_storage_options, overwrite=overwrite, progress=progress, log=log)
+    return result, (executors[0].peak_rss if executors else [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jobs/reshard.py",
+        description="Reshard a raydcp checkpoint on a Ray cluster, streaming in rounds that fit --memory-budget "
+                    "per actor. Idempotent: a rerun after a failure resumes it; a rerun after success does nothing. "
+                    "Submit with: ray job submit --working-dir . -- python jobs/reshard.py SRC DST --world-size M",
+    )
+    add_reshard_arguments(parser)
+    parser.add_argument("--num-gpus-per-actor", type=float, default=1.0, metavar="G",
+                        help="GPUs reserved per actor (default 1; 0 for CPU actors; on a cluster without GPUs the "
+                             "actors are placed on CPUs with a warning)")
+    parser.add_argument("--address", default=None,
+                        help="the Ray cluster to connect to (default: RAY_ADDRESS, as `ray job submit` sets it, "
+                             "or a new local instance)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The job's entrypoint; returns the exit status (0 done, 2 a CheckpointError, shown on one line)."""
+    args = build_parser().parse_args(argv)
+
+    def say(msg: str) -> None:
+        print(f"[raydcp reshard {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    try:
+        options = options_from_args(args)
+        src_opts, dst_opts = storage_options_from_args(args)
+        if not ray.is_initialized():
+            ray.init(address=args.address, logging_level=logging.WARNING)
+        result, peaks = reshard_on_ray(args.src, args.dst, options, num_gpus_per_actor=args.num_gpus_per_actor,
+                                       timeout_s=args.timeout, src_storage_options=src_opts,
+                                       dst_storage_options=dst_opts, overwrite=args.overwrite, log=say)
+    except CheckpointError as exc:
+        msg = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"raydcp reshard: error: {msg}", file=sys.stderr, flush=True)
+        return 2
+    if peaks:
+        say(f"peak resident memory per actor: {', '.join(f'{p / (1 << 20):.0f} MiB' for p in peaks)}")
+    if not result.noop:
+        say(f"done: {result.tensors} tensors, {result.nbytes / (1 << 20):.1f} MiB in {result.rounds} rounds "
+            f"({result.resumed_rounds} resumed), {result.seconds:.2f} s")
+    if args.json:
+        print(json.dumps({**result.to_json(), "peak_rss_per_actor": peaks}), flush=True)
+    return 0
