@@ -156,11 +156,17 @@ class RayExecutor:
 def reshard_on_ray(src: str, dst: str, options: ReshardOptions, *, num_gpus_per_actor: float = 1,
                    timeout_s: float = 600.0, src_storage_options: dict | None = None,
                    dst_storage_options: dict | None = None, overwrite: bool = False,
-                   progress=None, log=None) -> tuple[ReshardResult, list[int]]:
-    """Reshard on the connected Ray cluster; returns the result and each actor's peak RSS (bytes)."""
+                   progress=None, log=None, address: str | None = None) -> tuple[ReshardResult, list[int]]:
+    """Reshard on a Ray cluster; returns the result and each actor's peak RSS (bytes).
+
+    Connects to Ray (``address``, default RAY_ADDRESS or a new local instance) only if there is
+    work: a destination that already holds the result, or a bad source, never touches Ray.
+    """
     executors: list[RayExecutor] = []
 
     def make() -> RayExecutor:
+        if not ray.is_initialized():
+            ray.init(address=address, logging_level=logging.WARNING)
         executors.append(RayExecutor(options.world_size, num_gpus_per_actor=num_gpus_per_actor, timeout_s=timeout_s))
         return executors[0]
 
@@ -197,11 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = options_from_args(args)
         src_opts, dst_opts = storage_options_from_args(args)
-        if not ray.is_initialized():
-            ray.init(address=args.address, logging_level=logging.WARNING)
         result, peaks = reshard_on_ray(args.src, args.dst, options, num_gpus_per_actor=args.num_gpus_per_actor,
                                        timeout_s=args.timeout, src_storage_options=src_opts,
-                                       dst_storage_options=dst_opts, overwrite=args.overwrite, log=say)
+                                       dst_storage_options=dst_opts, overwrite=args.overwrite, log=say,
+                                       address=args.address)
     except CheckpointError as exc:
         msg = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"raydcp reshard: error: {msg}", file=sys.stderr, flush=True)
