@@ -18,7 +18,7 @@ from ._registry import Command, register, registered
 
 __all__ = ["main", "build_parser", "Command", "register", "BUILTIN_MODULES"]
 
-BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd", "reshard_cmd")
+BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd", "status", "reshard_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
