@@ -4,8 +4,9 @@
 :func:`main`. The work is the one of :mod:`raydcp.reshard` (plan, rounds, one commit); this module
 only supplies the executor:
 
-1. :class:`RayExecutor` starts ``ShardGroup(M)`` (one actor per GPU by default, CPU actors with a
-   warning on a cluster without GPUs) -- only once the driver knows there is work to do;
+1. :class:`RayExecutor` starts ``ShardGroup(M)`` -- only once the driver knows there is work to
+   do. Its actors reserve one CPU each by default (a reshard moves bytes: it needs CPUs, memory
+   and network, not GPUs); ``--num-gpus-per-actor 1`` places one per GPU instead;
 2. for each round, every actor runs :func:`raydcp.reshard.run_round` (through ``apply``) over
    the job's ``raydcp.Group`` (one operation, so one coordinator actor, for all rounds): its
    pieces are loaded from storage (each source byte read by one actor; pieces move through the
@@ -77,12 +78,14 @@ class RayExecutor:
 
     per_process = "max"
 
-    def __init__(self, world_size: int, *, num_gpus_per_actor: float = 1, timeout_s: float = 600.0):
+    def __init__(self, world_size: int, *, num_gpus_per_actor: float = 0, num_cpus_per_actor: float = 1,
+                 timeout_s: float = 600.0):
         self.world_size = world_size
         self.timeout_s = timeout_s
         from .shard_group import ShardGroup
 
-        self.group = ShardGroup(world_size, num_gpus_per_actor=num_gpus_per_actor, timeout_s=timeout_s)
+        self.group = ShardGroup(world_size, num_gpus_per_actor=num_gpus_per_actor,
+                                num_cpus_per_actor=num_cpus_per_actor, timeout_s=timeout_s)
         self.peak_rss: list[int] = []
         self._name = f"reshard-{uuid.uuid4().hex[:12]}"
 
@@ -153,8 +156,8 @@ class RayExecutor:
         self.group.shutdown()
 
 
-def reshard_on_ray(src: str, dst: str, options: ReshardOptions, *, num_gpus_per_actor: float = 1,
-                   timeout_s: float = 600.0, src_storage_options: dict | None = None,
+def reshard_on_ray(src: str, dst: str, options: ReshardOptions, *, num_gpus_per_actor: float = 0,
+                   num_cpus_per_actor: float = 1, timeout_s: float = 600.0, src_storage_options: dict | None = None,
                    dst_storage_options: dict | None = None, overwrite: bool = False,
                    progress=None, log=None, address: str | None = None) -> tuple[ReshardResult, list[int]]:
     """Reshard on a Ray cluster; returns the result and each actor's peak RSS (bytes).
@@ -167,7 +170,8 @@ def reshard_on_ray(src: str, dst: str, options: ReshardOptions, *, num_gpus_per_
     def make() -> RayExecutor:
         if not ray.is_initialized():
             ray.init(address=address, logging_level=logging.WARNING)
-        executors.append(RayExecutor(options.world_size, num_gpus_per_actor=num_gpus_per_actor, timeout_s=timeout_s))
+        executors.append(RayExecutor(options.world_size, num_gpus_per_actor=num_gpus_per_actor,
+                                     num_cpus_per_actor=num_cpus_per_actor, timeout_s=timeout_s))
         return executors[0]
 
     result = reshard_with(make, RayExecutor.per_process, src, dst, options, src_storage_options=src_storage_options,
@@ -183,9 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "Submit with: ray job submit --working-dir . -- python jobs/reshard.py SRC DST --world-size M",
     )
     add_reshard_arguments(parser)
-    parser.add_argument("--num-gpus-per-actor", type=float, default=1.0, metavar="G",
-                        help="GPUs reserved per actor (default 1; 0 for CPU actors; on a cluster without GPUs the "
-                             "actors are placed on CPUs with a warning)")
+    parser.add_argument("--num-cpus-per-actor", type=float, default=1.0, metavar="C",
+                        help="CPUs reserved per actor (default 1): a reshard moves bytes, it needs CPUs, memory "
+                             "and network rather than GPUs")
+    parser.add_argument("--num-gpus-per-actor", type=float, default=0.0, metavar="G",
+                        help="GPUs reserved per actor (default 0); 1 places one actor per GPU, as training does "
+                             "(tensors stay in host memory either way)")
     parser.add_argument("--address", default=None,
                         help="the Ray cluster to connect to (default: RAY_ADDRESS, as `ray job submit` sets it, "
                              "or a new local instance)")
@@ -204,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = options_from_args(args)
         src_opts, dst_opts = storage_options_from_args(args)
         result, peaks = reshard_on_ray(args.src, args.dst, options, num_gpus_per_actor=args.num_gpus_per_actor,
-                                       timeout_s=args.timeout, src_storage_options=src_opts,
+                                       num_cpus_per_actor=args.num_cpus_per_actor, timeout_s=args.timeout, src_storage_options=src_opts,
                                        dst_storage_options=dst_opts, overwrite=args.overwrite, log=say,
                                        address=args.address)
     except CheckpointError as exc:

@@ -130,12 +130,12 @@ def src(tmp_path_factory, full):
 
 def test_ray_job_submit_reshards_bit_exact_and_reruns_as_noop(head, src, full, tmp_path):
     dst = str(tmp_path / "dst")
-    args = (src, dst, "--world-size", "3", "--memory-budget", "256", "--json")
+    args = (src, dst, "--world-size", "3", "--memory-budget", "256", "--num-cpus-per-actor", "0.5", "--json")
     proc = submit(head, *args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "succeeded" in out, out[-4000:]
-    # the job ran on the head's CPUs (no GPUs there), in rounds, and said so
-    assert "no GPU resources" in out and "round 1/" in out and "committed" in out, out[-4000:]
+    # the job ran in rounds, and said so
+    assert "round 1/" in out and "committed" in out, out[-4000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"src"')))
     assert result["rounds"] > 1 and not result["noop"] and len(result["peak_rss_per_actor"]) == 3
     assert_resharded(dst, full, ReshardOptions(world_size=3, memory_budget=256))
@@ -166,7 +166,7 @@ def test_dead_actor_fails_the_round_fast_and_rerun_resumes(ray_session, src, ful
     executors: list[RayExecutor] = []
 
     def make() -> RayExecutor:
-        executors.append(RayExecutor(3, num_gpus_per_actor=0.05, timeout_s=60))
+        executors.append(RayExecutor(3, num_gpus_per_actor=0.05, num_cpus_per_actor=0, timeout_s=60))
         return executors[-1]
 
     killed_at: list[float] = []
