@@ -96,3 +96,12 @@ def test_segments_start_at_piece_boundaries_and_cover_the_file():
     assert [(s.start, s.end) for s in plan_segments("f", 0, [], 10)] == [(0, 0)]
     with pytest.raises(SourceDamaged, match="truncated"):
         plan_segments("f", 500, pieces, 200)
+
+
+def test_the_pipeline_and_its_cli_do_not_import_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys, raydcp.pipeline.api, raydcp.pipeline.driver, raydcp.pipeline.check, raydcp.cli.status; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
