@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["RayTransport", "Coordinator"]
+__all__ = ["RayTransport", "Coordinator", "ShardGroup", "ShardActor"]
 
 _EXPORTS = {
     "RayTransport": "raydcp.runtime.ray_transport",
     "Coordinator": "raydcp.runtime.coordinator",
+    "ShardGroup": "raydcp.runtime.shard_group",
+    "ShardActor": "raydcp.runtime.shard_actor",
 }
 
 

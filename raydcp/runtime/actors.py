@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .coordinator import Coordinator
 
@@ -57,3 +59,24 @@ def get_or_create_coordinator(group_name: str, op: int, world_size: int, timeout
 def retain_coordinator(handle) -> None:
     """Keep ``handle`` (and so the actor, if this process created it) alive for peers still replying."""
     _RECENT_COORDINATORS.append(handle)
+
+
+@functools.lru_cache(maxsize=None)
+def _remote_class(cls):
+    return ray.remote(cls)
+
+
+def start_shard_actor(cls, rank: int, world_size: int, pg, *, num_gpus: float, num_cpus: float):
+    """Start member ``rank`` of a ShardGroup in bundle ``rank`` of placement group ``pg``.
+
+    ``cls`` is ShardActor or a subclass. One extra concurrency slot lets probes
+    (``info``, ``apply``) answer while a collective step runs.
+    """
+    return _remote_class(cls).options(
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        max_concurrency=2,
+        max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+    ).remote(rank, world_size)
+
