@@ -25,11 +25,12 @@ def ray_session():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
     ray.init(
+        address="local",  # a fresh instance of our own, even where another (e.g. a `ray start` head) runs
         num_cpus=8,
         num_gpus=4,
         include_dashboard=False,
         log_to_driver=False,
-        logging_level=logging.WARNING,
+        logging_level=logging.ERROR,
         object_store_memory=512 * 1024 * 1024,
         namespace="raydcp-tests",
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
