@@ -1,0 +1,186 @@
+"""``raydcp.train.save`` / ``restore``: collective checkpoints inside a Ray Train run.
+
+Save, per report (every rank of the worker group calls it together):
+
+1. rank 0 names the checkpoint directory (``raydcp-step<step>-<nonce>``) and
+   broadcasts the name with ``ray.train.collective.broadcast_from_rank_zero``;
+2. every rank saves its part with ``raydcp.save`` straight into
+   ``<run storage>/<name>``; the group is ``Group("raydcp-train:<run>:<nonce>",
+   world rank, world size)``, so each checkpoint of each attempt has its own
+   coordinator; the metadata commits last;
+3. every rank calls ``ray.train.report(metrics, checkpoint=<that directory>,
+   checkpoint_upload_mode=NO_UPLOAD)``: nothing is copied, and Ray Train's
+   checkpoint manager registers it (``CheckpointConfig.num_to_keep`` and
+   ``checkpoint_score_attribute`` apply; ``ray.train.get_checkpoint()`` returns it).
+
+A failure on any rank before step 3 fails the save on every rank (raydcp saves
+are all-or-nothing) and nothing is reported, so Ray Train never registers a
+partial checkpoint.
+
+Restore: ``ray.train.get_checkpoint()`` (the run's latest registered checkpoint,
+also for a new trainer with the same ``RunConfig(name, storage_path)``) is loaded
+by every rank with ``raydcp.load``, resharded to the current world size.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray.train
+
+from .. import engine
+from ..errors import CheckpointError
+from ..group import Group
+from ..metadata import Metadata
+from ..storage import CheckpointStorage
+from ._context import checkpoint_dir_name, fsspec_location, is_raydcp_dir_name, new_nonce, train_context
+from .state import TrainState
+
+__all__ = ["save", "restore", "METRICS_KEY", "run_checkpoint_dirs", "remove_uncommitted"]
+
+logger = logging.getLogger(__name__)
+
+METRICS_KEY = "raydcp"  # raydcp.train.save adds its own numbers under this key of the reported metrics
+
+
+def _context(api: str):
+    ctx = train_context()
+    if ctx is None:
+        raise CheckpointError(f"raydcp.train.{api} must be called inside a Ray Train training function "
+                              "(the function passed to TorchTrainer); outside Ray Train use raydcp.save/load")
+    return ctx
+
+
+def _as_state_dict(state: Any) -> dict:
+    if isinstance(state, TrainState):
+        return {"train": state}
+    if not isinstance(state, dict):
+        raise CheckpointError(f"state_dict must be a dict or a raydcp.train.TrainState, got {type(state).__name__}")
+    return state
+
+
+def _train_states(state: dict, prefix: str = ""):
+    """(FQN prefix, TrainState) for every TrainState reachable through dicts."""
+    for key, value in state.items():
+        if isinstance(value, TrainState):
+            yield f"{prefix}{key}.", value
+        elif isinstance(value, dict):
+            yield from _train_states(value, f"{prefix}{key}.")
+
+
+def _step_of(state: dict, metrics: dict | None) -> int | None:
+    for _, ts in _train_states(state):
+        return ts.step
+    step = (metrics or {}).get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
+         storage_options: dict | None = None, timeout_s: float = 600.0, _emergency: dict | None = None) -> Metadata:
+    """Save this rank's part of ``state_dict`` as one checkpoint of the run, and report it.
+
+    Every worker calls it at the same point (it is a collective, like
+    ``ray.train.report``, which it calls). ``metrics`` are reported with the
+    checkpoint (rank 0's count for ``checkpoint_score_attribute``); raydcp adds its
+    own under ``metrics["raydcp"]`` (step, seconds, bytes, world_size, save_id).
+    ``step`` names the directory; by default the step of a TrainState in the state
+    dict, else ``metrics["step"]``. ``storage_options`` are fsspec options for the
+    run's storage (credentials/endpoint of s3:// storage). Returns the metadata.
+    """
+    ctx = _context("save")
+    state = _as_state_dict(state_dict)
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    storage = ctx.get_storage()
+    if step is None:
+        step = _step_of(state, metrics)
+    proposal = None
+    if rank == 0:
+        nonce = new_nonce()
+        proposal = (checkpoint_dir_name(step, nonce), nonce)
+    from ray.train.collective import broadcast_from_rank_zero
+
+    name, nonce = broadcast_from_rank_zero(proposal)
+    fs_path = storage.build_checkpoint_path_from_name(name)
+    url, options = fsspec_location(storage.storage_filesystem, fs_path, storage_options)
+    group = Group(f"raydcp-train:{ctx.get_experiment_name()}:{nonce}", rank, world, timeout_s=timeout_s)
+
+    t0 = time.perf_counter()
+    md = engine.save(state, url, group=group, storage_options=options)
+    seconds = time.perf_counter() - t0
+
+    reported = dict(metrics or {})
+    reported[METRICS_KEY] = {"step": step, "seconds": seconds, "bytes": md.total_bytes, "world_size": world,
+                             "save_id": md.save_id, "checkpoint": name}
+    if _emergency is not None:
+        reported[METRICS_KEY]["emergency"] = dict(_emergency)
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    ray.train.report(reported, checkpoint=Checkpoint(path=fs_path, filesystem=storage.storage_filesystem),
+                     checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    return md
+
+
+def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | None = None,
+            timeout_s: float = 600.0) -> bool:
+    """Load the run's latest checkpoint into ``state_dict``, resharded to this world size.
+
+    Every worker calls it (usually first thing in the training function). Returns
+    False, loading nothing, when the run has no checkpoint yet. Tensors are filled
+    in place; a :class:`TrainState` is handed its state and applies it (model and
+    optimizer through ``set_state_dict``, scheduler, step, data position, RNG).
+    Rank 0 first removes checkpoint directories that an earlier attempt left
+    uncommitted (no save of this run is in flight while the workers start).
+    """
+    ctx = _context("restore")
+    state = _as_state_dict(state_dict)
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    storage = ctx.get_storage()
+    if rank == 0:
+        removed = remove_uncommitted(storage, storage_options)
+        if removed:
+            logger.info("raydcp: removed uncommitted checkpoint directories %s", removed)
+    from ray.train.collective import broadcast_from_rank_zero
+
+    nonce = broadcast_from_rank_zero(new_nonce() if rank == 0 else None)  # also waits for the cleanup
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return False
+    url, options = fsspec_location(checkpoint.filesystem, checkpoint.path, storage_options)
+    md = engine.read_metadata(url, storage_options=options)
+    for prefix, ts in _train_states(state):
+        ts.prepare_restore(md, prefix)
+    group = Group(f"raydcp-train:{ctx.get_experiment_name()}:{nonce}", rank, world, timeout_s=timeout_s)
+    engine.load(state, url, group=group, strict=strict, storage_options=options)
+    return True
+
+
+def run_checkpoint_dirs(storage, storage_options: dict | None = None) -> list[tuple[str, str]]:
+    """(name, URL) of every directory directly under the run that raydcp.train.save created."""
+    import fsspec
+
+    root, options = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, storage_options)
+    fs, path = fsspec.core.url_to_fs(root, **(options or {}))
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in entries:
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("type") == "directory" and is_raydcp_dir_name(name):
+            out.append((name, f"{root.rstrip('/')}/{name}"))
+    return sorted(out)
+
+
+def remove_uncommitted(storage, storage_options: dict | None = None, keep: set[str] = frozenset()) -> list[str]:
+    """Delete raydcp checkpoint directories of the run that never committed; returns their names."""
+    _, options = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, storage_options)
+    removed = []
+    for name, url in run_checkpoint_dirs(storage, storage_options):
+        ckpt = CheckpointStorage(url, options)
+        if name not in keep and not ckpt.is_committed():
+            ckpt.delete()
+            removed.append(name)
+    return removed
+

@@ -1,0 +1,140 @@
+"""raydcp.train pieces that need no Ray Train run: TrainState and its RNG tables, the data position,
+storage mapping and the callback's completeness check. One process, no Ray."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+import torch.nn as nn
+
+import raydcp
+import raydcp.train
+from raydcp.train import TrainState, check_checkpoint, derive_seed
+from raydcp.train import state as state_mod
+from raydcp.train._context import fsspec_location
+
+
+def _state(seed=7):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return TrainState(model, opt, sched, seed=seed)
+
+
+def _train(state, steps):
+    for _ in range(steps):
+        x = torch.randn(5, 4)
+        loss = state.model(x).pow(2).mean()
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.scheduler.step()
+        state.advance(5)
+
+
+def _draws():
+    return [torch.rand(2).tolist(), random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn())]
+
+
+def test_save_and_restore_in_one_process_restores_everything_exactly(tmp_path):
+    state = _state()
+    state.reseed()
+    _train(state, 3)
+    random.gauss(0, 1)  # leave a cached gaussian in Python's generator, and one in NumPy's
+    np.random.randn()
+    raydcp.save({"train": state}, tmp_path / "c")
+    want_draws = _draws()
+    want = {k: v.clone() for k, v in state.model.state_dict().items()}
+    lr = state.scheduler.get_last_lr()
+
+    other = _state()
+    _train(other, 1)  # a different state to overwrite
+    md = raydcp.read_metadata(tmp_path / "c")
+    other.prepare_restore(md, "train.")
+    raydcp.load({"train": other}, tmp_path / "c")
+    assert other.rng_restored == "exact"
+    assert _draws() == want_draws
+    assert (other.step, other.samples_seen, other.seed) == (3, 15, 7)
+    assert other.scheduler.get_last_lr() == lr
+    for k, v in other.model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    # the optimizer continues identically
+    torch.manual_seed(1)
+    _train(state, 1)
+    torch.manual_seed(1)
+    _train(other, 1)
+    for a, b in zip(state.model.parameters(), other.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_rng_is_rederived_from_seed_step_and_rank_when_the_world_size_changes(tmp_path, monkeypatch):
+    state = _state()
+    _train(state, 2)
+    raydcp.save({"train": state}, tmp_path / "c")  # one rank
+
+    monkeypatch.setattr(state_mod, "rank_and_world", lambda: (2, 3))  # restore as rank 2 of 3
+    other = _state()
+    other.prepare_restore(raydcp.read_metadata(tmp_path / "c"), "train.")
+    raydcp.load({"train": other}, tmp_path / "c")  # strict: the saved RNG rows are accounted for
+    assert other.rng_restored == "derived" and other.step == 2
+    got = _draws()
+    s = derive_seed(7, 2, 2)
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    assert got == _draws()
+    assert len({derive_seed(7, 2, r) for r in range(64)}) == 64  # ranks get distinct streams
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_batch_range_splits_each_global_batch_in_rank_order(monkeypatch, world):
+    state = _state()
+    state.samples_seen = 24
+    parts = []
+    for rank in range(world):
+        monkeypatch.setattr(state_mod, "rank_and_world", lambda rank=rank: (rank, world))
+        parts.append(state.batch_range(12))
+    assert [i for p in parts for i in p] == list(range(24, 36))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_storage_mapping_from_pyarrow_to_fsspec(tmp_path):
+    import fsspec
+
+    assert fsspec_location(pafs.LocalFileSystem(), f"{tmp_path}/run/ckpt") == (f"{tmp_path}/run/ckpt", None)
+    # an fsspec filesystem wrapped for Ray Train: raydcp writes where pyarrow looks
+    pyfs = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
+    url, options = fsspec_location(pyfs, "/raydcp-test-bucket/run/ckpt")
+    assert url.startswith("memory://")
+    raydcp.save({"x": torch.ones(2)}, url, storage_options=options)
+    assert pyfs.get_file_info(f"/raydcp-test-bucket/run/ckpt/{raydcp.storage.METADATA_NAME}").size > 0
+    s3 = pafs.S3FileSystem(anonymous=True, region="us-east-1")
+    assert fsspec_location(s3, "bucket/run/ckpt", {"anon": True}) == ("s3://bucket/run/ckpt", {"anon": True})
+
+
+def test_completeness_check_names_missing_and_truncated_data(tmp_path):
+    path = tmp_path / "c"
+    raydcp.save({"a": torch.arange(100.0), "b": torch.ones(3, 3), "step": 4}, path)
+    md, problems = check_checkpoint(str(path), world_size=1)
+    assert md is not None and problems == []
+    assert check_checkpoint(str(path), world_size=2)[1] == ["saved by 1 ranks, reported by 2"]
+    data = sorted(p for p in path.rglob("*.bin"))
+    assert data
+    data[0].write_bytes(data[0].read_bytes()[:10])
+    _, problems = check_checkpoint(str(path))
+    assert problems and "bytes, the metadata needs" in problems[0]
+    data[0].unlink()
+    assert "missing" in check_checkpoint(str(path))[1][0]
+    (path / raydcp.storage.METADATA_NAME).unlink()
+    assert check_checkpoint(str(path)) == (None, [f"{path} is not committed (no metadata)"])
+
+
+def test_save_and_restore_need_a_ray_train_worker():
+    with pytest.raises(raydcp.CheckpointError, match="inside a Ray Train training function"):
+        raydcp.train.save({"x": torch.ones(1)})
+    with pytest.raises(raydcp.CheckpointError, match="inside a Ray Train training function"):
+        raydcp.train.restore({"x": torch.ones(1)})
