@@ -15,6 +15,9 @@ from ._shards import FaultyShardActor, bump, check_pieces, grow_global_shape, re
 pytestmark = pytest.mark.ray
 
 TIMEOUT_S = 3.0
+# Bounds on whole operations: the timeout plus starting the operation's coordinator actor, which
+# takes seconds on a loaded machine (tests/ray/test_transport.py times the timeout itself closely).
+OPERATION_SLACK_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def test_rank_that_never_arrives_is_named(ray_session, faulty, src, full, tmp_pa
     t0 = time.monotonic()
     with pytest.raises(CheckpointError) as info:
         faulty.save(tmp_path / "ckpt")
-    assert time.monotonic() - t0 < TIMEOUT_S + 4
+    assert time.monotonic() - t0 < TIMEOUT_S + OPERATION_SLACK_S
     msg = str(info.value)
     assert "on ranks [0, 2]" in msg and "ranks [1]" in msg and "did not arrive within 3s" in msg
     assert 1 in info.value.failures
@@ -108,7 +111,7 @@ def test_actor_killed_mid_save_commits_nothing(ray_session, src, full, tmp_path)
         with pytest.raises(CheckpointError) as info:
             g.save(path)
         killer.join()
-        assert time.monotonic() - t0 < TIMEOUT_S + 10
+        assert time.monotonic() - t0 < TIMEOUT_S + OPERATION_SLACK_S
         assert "ranks [1] died" in str(info.value) and 1 in info.value.failures
         # nothing committed: the previous checkpoint is still the one there, bit-exact
         assert raydcp.read_metadata(path).save_id == first.save_id
