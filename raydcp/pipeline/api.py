@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import threading
 import time
@@ -107,7 +108,8 @@ class CheckpointPipeline:
         self._driver: Any = None
         self._seq: int | None = None
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._post: queue.SimpleQueue = queue.SimpleQueue()  # saves waiting for their commit
+        self._post_thread: threading.Thread | None = None
         if resume:
             self.driver()
 
@@ -161,10 +163,13 @@ class CheckpointPipeline:
                                        max_staging_bytes=self._max_staging_bytes)
             stall = time.perf_counter() - t0
             handle = PipelineSave(self, name, stall, tracked)
-            thread = threading.Thread(target=self._after_commit, args=(handle, record, future.result, t0, stall),
-                                      name=f"raydcp-pipeline-{name}", daemon=True)
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            thread.start()
+            # one long-lived thread follows every commit: starting a thread per save would make
+            # training wait for the scheduler to run it
+            self._post.put((handle, record, future.result, t0, stall))
+            if self._post_thread is None:
+                self._post_thread = threading.Thread(target=self._follow_commits, name="raydcp-pipeline-commits",
+                                                     daemon=True)
+                self._post_thread.start()
             return handle
         box: dict = {}
         try:
@@ -177,6 +182,13 @@ class CheckpointPipeline:
         if "error" in box:
             raise box["error"]
         return handle
+
+    def _follow_commits(self) -> None:
+        while True:
+            item = self._post.get()
+            if item is None:
+                return
+            self._after_commit(*item)
 
     def _after_commit(self, handle: PipelineSave, record: StatusRecord | None, result: Callable[[], Metadata],
                       t0: float, stall: float) -> None:
@@ -321,7 +333,9 @@ class CheckpointPipeline:
     def close(self, wait: bool = True, timeout: float | None = None) -> None:
         """Let pending pipelines finish (``wait``), then stop the driver (the coordinator actor only
         if this process created it: other ranks sharing it keep it)."""
-        for thread in list(self._threads):
+        thread, self._post_thread = self._post_thread, None
+        if thread is not None:
+            self._post.put(None)
             thread.join(timeout)
         with self._lock:
             driver, self._driver = self._driver, None
