@@ -32,7 +32,7 @@ from ..errors import CheckpointError
 from ..storage import CheckpointStorage
 from ..transport import ThreadTransport
 from .plan import ReshardOptions, ReshardPlan, plan_reshard
-from .rank import RoundTask, run_round
+from .rank import RoundTask, return_freed_memory, run_round
 
 __all__ = ["ReshardResult", "RoundExecutor", "ThreadExecutor", "reshard_with", "reshard", "EXTRA_KEY"]
 
@@ -58,6 +58,7 @@ class ReshardResult:
     seconds: float
     noop: bool            # DST already held this reshard: nothing was done
     peak_bytes: int = 0   # the plan's largest round, in tensor bytes per process
+    round_seconds: float = 0.0  # spent in the rounds this run did (seconds also counts planning, startup, commit)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -79,6 +80,7 @@ class ThreadExecutor:
     def __init__(self, world_size: int, timeout_s: float = 600.0):
         self.world_size = world_size
         self.timeout_s = timeout_s
+        return_freed_memory()
 
     def run(self, task: RoundTask) -> RoundRecords:
         transports = ThreadTransport.group(self.world_size, timeout_s=self.timeout_s)
@@ -151,11 +153,13 @@ def reshard_with(make_executor: Callable[[], RoundExecutor], per_process: str, s
     plan = plan_reshard(src_md, options, per_process=per_process)
     layout = "consolidated" if options.consolidate else options.layout
 
+    spent = 0.0
+
     def result(save_id: str, resumed: int, noop: bool) -> ReshardResult:
         return ReshardResult(src_url, dst_store.url, save_id, src_md.save_id, src_md.world_size, options.world_size,
                              layout, len(plan.tensors), len(plan.values), len(plan.dropped), plan.nbytes,
                              len(plan.rounds), resumed, time.perf_counter() - t0, noop,
-                             max((r.peak_bytes for r in plan.rounds), default=0))
+                             max((r.peak_bytes for r in plan.rounds), default=0), spent)
 
     done_md = _check_destination(src_url, dst_store, plan, overwrite)
     if done_md is not None:
@@ -190,6 +194,7 @@ def reshard_with(make_executor: Callable[[], RoundExecutor], per_process: str, s
                 records[rnd.index] = rec
                 done_bytes += rnd.nbytes
                 dt = time.perf_counter() - t1
+                spent += dt
                 say(f"round {rnd.index + 1}/{len(plan.rounds)}: {len(rnd.parts)} parts, {_mib(rnd.nbytes)} in "
                     f"{dt:.2f} s ({_mib(rnd.nbytes / dt if dt > 0 else 0)}/s); {100 * done_bytes / max(total, 1):.0f}% done")
                 if progress:

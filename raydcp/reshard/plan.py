@@ -184,12 +184,53 @@ def _bytes_per_rank(part: Part, layout: str, world_size: int) -> list[int]:
     return out
 
 
+class _Cost:
+    """A round's memory per process, as the budget counts it.
+
+    A rank holds its pieces (and their cast copies) and, while loading, the source bytes it
+    read for other ranks until the exchange. Each source byte is read by one rank, balanced:
+    with one process per rank (``max``) that is about 1/M of the round's source bytes plus at
+    most the largest source chunk region of the round; with every rank in one process (``sum``)
+    all of them.
+    """
+
+    def __init__(self, world: int, per_process: str):
+        self.world, self.per_process = world, per_process
+        self.held = [0] * world
+        self.read = 0        # source bytes of the round (each read once)
+        self.largest = 0     # the largest region of one source chunk in the round
+
+    def plus(self, held: list[int], read: int, largest: int) -> "_Cost":
+        out = _Cost(self.world, self.per_process)
+        out.held = [a + b for a, b in zip(self.held, held)]
+        out.read, out.largest = self.read + read, max(self.largest, largest)
+        return out
+
+    @property
+    def bytes(self) -> int:
+        if self.per_process == "sum":
+            return sum(self.held) + self.read
+        return max(self.held) + -(-self.read // self.world) + self.largest
+
+
+def _part_cost(md: Metadata, part: Part, layout: str, world: int) -> tuple[list[int], int, int]:
+    """``(held per rank, source bytes, largest source chunk region)`` of ``part``."""
+    isz = itemsize(part.src_dtype)
+    off, size = part.box
+    largest = 0
+    for c in md.tensors[part.tensor].chunks:
+        lo = [max(a, b) for a, b in zip(c.offsets, off)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(c.offsets, c.sizes, off, size)]
+        largest = max(largest, numel([max(0, h - lo_) for lo_, h in zip(lo, hi)]) * isz)
+    return _bytes_per_rank(part, layout, world), numel(size) * isz, largest
+
+
 def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "max") -> ReshardPlan:
     """Cut the reshard of the checkpoint described by ``md`` into rounds (pure; CheckpointError).
 
-    ``per_process`` says how a round's memory is counted against ``options.memory_budget``:
-    ``"max"`` when each rank is its own process (actors), ``"sum"`` when one process runs
-    every rank (threads).
+    ``per_process`` says how a round's memory is counted against ``options.memory_budget``
+    (see :class:`_Cost`): ``"max"`` when each rank is its own process (actors), ``"sum"`` when
+    one process runs every rank (threads).
     """
     if per_process not in PER_PROCESS:
         raise CheckpointError(f"per_process must be one of {PER_PROCESS}, got {per_process!r}")
@@ -207,42 +248,41 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
         return options.dtype if options.dtype and dtype_from_name(dtype).is_floating_point else dtype
 
     tensors = {k: TensorSpec(cast(md.tensors[k].dtype), tuple(md.tensors[k].shape)) for k in keep}
-    combine = sum if per_process == "sum" else max
+
+    def alone(part: Part) -> int:
+        return _Cost(world, per_process).plus(*_part_cost(md, part, layout, world)).bytes
 
     rounds: list[Round] = []
     placement: dict[str, tuple[str, tuple[int, ...]]] = {}
     parts: list[Part] = []
-    loads = [0] * world
+    cost = _Cost(world, per_process)
     held: set[str] = set()
 
     def close() -> None:
-        nonlocal parts, loads, held
+        nonlocal parts, cost, held
         if parts:
             nbytes = sum(numel(p.box[1]) * itemsize(p.dst_dtype) for p in parts)
-            rounds.append(Round(len(rounds), tuple(parts), nbytes, combine(loads)))
-        parts, loads, held = [], [0] * world, set()
+            rounds.append(Round(len(rounds), tuple(parts), nbytes, cost.bytes))
+        parts, cost, held = [], _Cost(world, per_process), set()
 
     def add(part: Part) -> None:
-        nonlocal loads
+        nonlocal cost
         if options.consolidate:  # the least loaded rank of the round holds it
-            part = Part(**{**part.__dict__, "owner": min(range(world), key=lambda r: (loads[r], r))})
-        cost = _bytes_per_rank(part, layout, world)
-        new = [a + b for a, b in zip(loads, cost)]
-        if parts and (combine(new) > budget or part.tensor in held):
+            part = Part(**{**part.__dict__, "owner": min(range(world), key=lambda r: (cost.held[r], r))})
+        new = cost.plus(*_part_cost(md, part, layout, world))
+        if parts and (new.bytes > budget or part.tensor in held):
             close()
             if options.consolidate:
                 part = Part(**{**part.__dict__, "owner": 0})
-                cost = _bytes_per_rank(part, layout, world)
-            new = cost
+            new = cost.plus(*_part_cost(md, part, layout, world))
         parts.append(part)
         held.add(part.tensor)
-        loads = new
+        cost = new
 
     for key in keep:
         t = md.tensors[key]
         whole = Part(key, key, tuple(t.shape), t.dtype, cast(t.dtype))
-        probe = whole if not options.consolidate else Part(**{**whole.__dict__, "owner": 0})
-        need = combine(_bytes_per_rank(probe, layout, world))
+        need = alone(whole if not options.consolidate else Part(**{**whole.__dict__, "owner": 0}))
         if need <= budget or len(t.shape) == 0 or t.shape[0] <= 1:
             if need > budget and options.consolidate:
                 raise _too_big(key, need, budget)
@@ -250,9 +290,8 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
             continue
         if options.consolidate:
             raise _too_big(key, need, budget)
-        # blocks of rows: a block of r rows costs r times what a block of one row costs
-        row = combine(_bytes_per_rank(Part(key, key, tuple(t.shape), t.dtype, cast(t.dtype), rows=(0, 1)),
-                                      layout, world))
+        # blocks of rows: a block of r rows costs at most r times what a block of one row costs
+        row = alone(Part(key, key, tuple(t.shape), t.dtype, cast(t.dtype), rows=(0, 1)))
         rows = max(1, budget // max(row, 1))
         for n, lo in enumerate(range(0, t.shape[0], rows)):
             rkey = f"{key}#{n}"
@@ -267,5 +306,6 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
 
 
 def _too_big(key: str, need: int, budget: int) -> CheckpointError:
-    return CheckpointError(f"{key} needs {need} bytes whole, over --memory-budget {budget}: --consolidate keeps "
-                           f"every tensor whole, so raise --memory-budget to at least {need}")
+    return CheckpointError(f"{key} needs {need} bytes of memory whole (its pieces and the bytes read for them), "
+                           f"over --memory-budget {budget}: --consolidate keeps every tensor whole, so raise "
+                           f"--memory-budget to at least {need}")

@@ -14,6 +14,7 @@ Nothing here knows whether the ranks are threads or actors: the caller hands in 
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..state import Shard
 from ..transport import Transport
 from .plan import Round, part_box
 
-__all__ = ["RoundTask", "run_round"]
+__all__ = ["RoundTask", "run_round", "return_freed_memory"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,20 @@ def run_round(transport: Transport, task: RoundTask) -> RoundRecords | None:
     del src_state, pieces  # source copies of cast pieces are freed before the write
     return write_round(transport, out, task.dst, task.save_id, storage_options=task.dst_storage_options,
                        max_file_bytes=task.max_file_bytes, failure=error)
+
+
+def return_freed_memory() -> None:
+    """Have glibc serve buffers of 1 MiB and more with mmap, so that freeing them returns them.
+
+    By default glibc raises that threshold each time such a buffer is freed (up to 32 MiB), after
+    which a round's buffers come from heaps that keep their pages: a process running round after
+    round would grow well past the budget. Setting the threshold fixes it (process-wide, harmless
+    elsewhere). A no-op where the C library is not glibc.
+    """
+    try:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def _all_ok(values: list) -> list:

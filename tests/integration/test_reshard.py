@@ -182,7 +182,7 @@ CASES = [
     ReshardOptions(world_size=3),                                                  # 2 -> 3, dim0
     ReshardOptions(world_size=4, layout="dim1", memory_budget=200),                # row blocks, many rounds
     ReshardOptions(world_size=1, layout="replicated", dtype="fp16"),               # 2 -> 1, cast
-    ReshardOptions(world_size=3, consolidate=True, drop_optimizer=True, memory_budget=400),
+    ReshardOptions(world_size=3, consolidate=True, drop_optimizer=True, memory_budget=800),
 ]
 
 
