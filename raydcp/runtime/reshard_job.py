@@ -36,6 +36,7 @@ from ..engine.rounds import RoundRecords
 from ..errors import CheckpointError
 from ..group import Group
 from ..reshard import ReshardOptions, ReshardResult, RoundTask, reshard_with, run_round
+from ..reshard.rank import return_freed_memory
 from ..reshard.args import add_reshard_arguments, options_from_args, storage_options_from_args
 
 __all__ = ["RayExecutor", "reshard_on_ray", "build_parser", "main"]
@@ -54,6 +55,7 @@ def _rank_round(state: dict, name: str, rank: int, world_size: int, timeout_s: f
     """Runs in actor ``rank`` (``ShardActor.apply``): one round; a CheckpointError is returned, not raised."""
     transport = _TRANSPORTS.get(name)
     if transport is None:
+        return_freed_memory()
         transport = _TRANSPORTS[name] = Group(name, rank, world_size, timeout_s=timeout_s).open_transport()
     try:
         return run_round(transport, task)
@@ -69,7 +71,15 @@ def _close_job(state: dict, name: str) -> None:
 
 
 def _peak_rss(state: dict) -> int:
-    """Runs in an actor: the process's peak resident memory, in bytes (Linux reports KiB)."""
+    """Runs in an actor: the process's peak resident memory in bytes (VmHWM where Linux has it:
+    unlike getrusage's, it does not start from the high-water mark of the process that forked it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -86,6 +96,11 @@ class RayExecutor:
 
         self.group = ShardGroup(world_size, num_gpus_per_actor=num_gpus_per_actor,
                                 num_cpus_per_actor=num_cpus_per_actor, timeout_s=timeout_s)
+        try:
+            self.group.info  # wait until every actor is up, so that the rounds' times are the work's
+        except BaseException:
+            self.group.shutdown()
+            raise
         self.peak_rss: list[int] = []
         self._name = f"reshard-{uuid.uuid4().hex[:12]}"
 
