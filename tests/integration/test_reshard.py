@@ -295,3 +295,18 @@ def test_console_script_reshard(tmp_path, src, full):
     assert "resharded" in proc.stdout and "2 ranks, consolidated" in proc.stdout
     assert "round 1/" in proc.stderr and "Traceback" not in proc.stderr
     assert_resharded(dst, full, ReshardOptions(world_size=2, consolidate=True))
+
+
+@pytest.mark.s3
+def test_reshard_to_and_from_s3(s3_server, src, full, tmp_path):
+    opts = s3_server.storage_options
+    dst = s3_server.new_url()
+    options = ReshardOptions(world_size=3, memory_budget=200)
+    with pytest.raises(CheckpointError, match="injected"):
+        reshard_with(lambda: FailingExecutor(3, fail_at=1), "sum", src, dst, options, dst_storage_options=opts)
+    result = reshard(src, dst, options, dst_storage_options=opts)  # resumes from the journal on S3
+    assert result.resumed_rounds == 1
+    back = str(tmp_path / "back")
+    reshard(dst, back, ReshardOptions(world_size=2), src_storage_options=opts)  # and back from S3
+    assert_resharded(back, full, ReshardOptions(world_size=2))
+    assert reshard(src, dst, options, dst_storage_options=opts).noop
