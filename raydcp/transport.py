@@ -157,13 +157,13 @@ class ThreadTransport(Transport):
         self._seq += 1
         n = self.world_size
 
-        def route(values: list[Outgoing]) -> list[list[tuple[Any, Any]]]:
+        def route(values: list[Outgoing]) -> list[Any]:
             inbox: list[list[tuple[Any, Any]]] = [[] for _ in range(n)]
-            for out in values:
+            for src, out in enumerate(values):
                 for dest, items in out.items():
-                    if not 0 <= dest < n:
-                        raise CheckpointError(f"{step}: destination rank {dest} outside a group of {n}")
+                    if not 0 <= dest < n:  # fail every rank, not just the one that routes
+                        return [CheckpointError(f"{step}: rank {src} addressed rank {dest}, outside a group of {n}")] * n
                     inbox[dest].extend(items)
             return inbox
 
-        return self._hub.rendezvous(self._seq, step, self.rank, outgoing, route)
+        return _unwrap(self._hub.rendezvous(self._seq, step, self.rank, outgoing, route))

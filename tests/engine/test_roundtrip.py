@@ -192,3 +192,11 @@ def test_chunk_bounds_matches_torch_chunk():
                 lo, size = chunk_bounds(n, parts, i)
                 want = pieces[i] if i < len(pieces) else torch.arange(0)
                 assert size == len(want) and (size == 0 or lo == int(want[0]))
+
+
+def test_thread_transport_fails_every_rank_on_a_bad_destination():
+    def go(tp):
+        return tp.exchange("x", {5: [("t", torch.zeros(1, dtype=torch.uint8))]} if tp.rank == 0 else {})
+
+    _, errs = run_ranks(3, go, timeout_s=5.0)
+    assert all(isinstance(e, CheckpointError) and "rank 0 addressed rank 5" in str(e) for e in errs)
