@@ -32,7 +32,7 @@ from ..errors import CheckpointError
 from ..storage import CheckpointStorage
 from ..transport import ThreadTransport
 from .plan import ReshardOptions, ReshardPlan, plan_reshard
-from .rank import RoundTask, return_freed_memory, run_round
+from .rank import RoundTask, release_round_memory, return_freed_memory, run_round
 
 __all__ = ["ReshardResult", "RoundExecutor", "ThreadExecutor", "reshard_with", "reshard", "EXTRA_KEY"]
 
@@ -99,6 +99,7 @@ class ThreadExecutor:
             t.start()
         for t in threads:
             t.join()
+        release_round_memory()
         failed = [e for e in errors if e is not None]
         if failed:
             raise next((e for e in failed if not isinstance(e, CheckpointError)), failed[0])

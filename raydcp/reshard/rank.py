@@ -15,6 +15,7 @@ Nothing here knows whether the ranks are threads or actors: the caller hands in 
 from __future__ import annotations
 
 import ctypes
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from ..state import Shard
 from ..transport import Transport
 from .plan import Round, part_box
 
-__all__ = ["RoundTask", "run_round", "return_freed_memory"]
+__all__ = ["RoundTask", "run_round", "return_freed_memory", "release_round_memory"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,12 @@ def return_freed_memory() -> None:
         ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError, TypeError):
         pass
+
+
+def release_round_memory() -> None:
+    """Free what a finished round left in reference cycles (the state flattening's closures hold
+    the flattened tensors until the cyclic collector runs, which may be several rounds later)."""
+    gc.collect()
 
 
 def _all_ok(values: list) -> list:
