@@ -13,7 +13,8 @@ only supplies the executor:
    object store) and written as the round's files; the driver gathers every actor's outcome and
    raises one CheckpointError naming failed or dead ranks (a failed round is not retried here:
    a rerun of the job resumes after the last finished round);
-3. ``close`` records each actor's peak resident memory, then shuts the group down.
+3. ``close`` records each actor's peak resident memory (and how much of it is object-store
+   pages, shared by the node), then shuts the group down.
 
 The driver (the job's entrypoint) holds only metadata; tensor data lives in the actors, at most
 ``--memory-budget`` bytes of it in each at a time.
@@ -36,7 +37,7 @@ from ..engine.rounds import RoundRecords
 from ..errors import CheckpointError
 from ..group import Group
 from ..reshard import ReshardOptions, ReshardResult, RoundTask, reshard_with, run_round
-from ..reshard.rank import return_freed_memory
+from ..reshard.rank import release_round_memory, return_freed_memory
 from ..reshard.args import add_reshard_arguments, options_from_args, storage_options_from_args
 
 __all__ = ["RayExecutor", "reshard_on_ray", "build_parser", "main"]
@@ -62,6 +63,8 @@ def _rank_round(state: dict, name: str, rank: int, world_size: int, timeout_s: f
     except CheckpointError as exc:  # the operation failed on every rank: it cannot go on
         _close_job(state, name)
         return exc
+    finally:
+        release_round_memory()
 
 
 def _close_job(state: dict, name: str) -> None:
@@ -70,17 +73,24 @@ def _close_job(state: dict, name: str) -> None:
         transport.close()
 
 
-def _peak_rss(state: dict) -> int:
-    """Runs in an actor: the process's peak resident memory in bytes (VmHWM where Linux has it:
-    unlike getrusage's, it does not start from the high-water mark of the process that forked it)."""
+def _memory(state: dict) -> tuple[int, int]:
+    """Runs in an actor: ``(peak RSS, shared-memory RSS now)`` in bytes, from /proc/self/status.
+
+    VmHWM, unlike getrusage's figure, does not start from the high-water mark of the process that
+    forked this one. The shared part is mostly object-store pages this actor touched: node-wide
+    memory, bounded by the object store's size, not the actor's own.
+    """
+    peak = shared = 0
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                    peak = int(line.split()[1]) * 1024
+                elif line.startswith("RssShmem:"):
+                    shared = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, shared
 
 
 class RayExecutor:
@@ -101,7 +111,8 @@ class RayExecutor:
         except BaseException:
             self.group.shutdown()
             raise
-        self.peak_rss: list[int] = []
+        self.peak_rss: list[int] = []    # per actor, filled by close()
+        self.shared_rss: list[int] = []  # the part of it in shared memory (object-store pages)
         self._name = f"reshard-{uuid.uuid4().hex[:12]}"
 
     def run(self, task: RoundTask) -> RoundRecords:
@@ -163,9 +174,11 @@ class RayExecutor:
         try:
             refs = [a.apply.remote(_close_job, self._name) for a in self.group.actors]
             ray.wait(refs, num_returns=len(refs), timeout=30)
-            refs = [a.apply.remote(_peak_rss) for a in self.group.actors]
+            refs = [a.apply.remote(_memory) for a in self.group.actors]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
-            self.peak_rss = [ray.get(r) for r in ready]
+            figures = [ray.get(r) for r in ready]
+            self.peak_rss = [p for p, _ in figures]
+            self.shared_rss = [s for _, s in figures]
         except Exception:  # a dead actor: no figure, still shut down
             pass
         self.group.shutdown()
@@ -191,6 +204,11 @@ def reshard_on_ray(src: str, dst: str, options: ReshardOptions, *, num_gpus_per_
 
     result = reshard_with(make, RayExecutor.per_process, src, dst, options, src_storage_options=src_storage_options,
                           dst_storage_options=dst_storage_options, overwrite=overwrite, progress=progress, log=log)
+    if executors and log and executors[0].peak_rss:
+        log("peak resident memory per actor: " + ", ".join(
+            f"{p / (1 << 20):.0f} MiB" for p in executors[0].peak_rss)
+            + f" (of which object-store pages, shared by the node: up to "
+              f"{max(executors[0].shared_rss) / (1 << 20):.0f} MiB)")
     return result, (executors[0].peak_rss if executors else [])
 
 
@@ -233,8 +251,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"raydcp reshard: error: {msg}", file=sys.stderr, flush=True)
         return 2
-    if peaks:
-        say(f"peak resident memory per actor: {', '.join(f'{p / (1 << 20):.0f} MiB' for p in peaks)}")
     if not result.noop:
         say(f"done: {result.tensors} tensors, {result.nbytes / (1 << 20):.1f} MiB in {result.rounds} rounds "
             f"({result.resumed_rounds} resumed), {result.seconds:.2f} s")
