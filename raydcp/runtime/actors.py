@@ -2,63 +2,144 @@
 
 The classes themselves (``Coordinator``, the shard actor) know nothing of
 ``ray.remote``; tests build them directly. This module applies the decorator
-and the placement options.
+and the placement options, and hosts the coordinators of a group's operations
+in one long-lived actor per group (``CoordinatorHost``).
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
+import time
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..errors import CheckpointError
 from .coordinator import Coordinator
 
 NAMESPACE = "raydcp"
 
-# Handles of coordinators this process used, kept for a while after close().
-# A non-detached actor lives only as long as its creator holds a handle (handles
-# from get_if_exists/get_actor do not count), so the creating rank must not drop
-# its handle while peers may still be waiting for their last reply.
-_RECENT_COORDINATORS: collections.deque = collections.deque(maxlen=64)
+# Handles of the coordinator hosts this process used. A non-detached actor lives only
+# as long as its creator holds a handle (handles from get_if_exists/get_actor do not
+# count), so the creating rank keeps its handle for as long as its process lives.
+_HOSTS: dict[str, object] = {}
 
 
-def coordinator_name(group_name: str, op: int) -> str:
-    return f"raydcp:{group_name}:{op}"
+def coordinator_name(group_name: str) -> str:
+    return f"raydcp:{group_name}"
 
 
-class _CoordinatorActor(Coordinator):
+class _HostedCoordinator(Coordinator):
+    """A Coordinator whose end drops it from its host instead of ending an actor."""
+
+    def __init__(self, host: "CoordinatorHost", *args):
+        super().__init__(*args)
+        self._host = host
+
     def _schedule_exit(self, delay_s: float) -> None:
-        asyncio.get_running_loop().call_later(delay_s, self._exit)
-
-    def _exit(self) -> None:
-        try:
-            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-        except Exception:  # already on its way out
-            pass
-
-
-_CoordinatorRemote = ray.remote(_CoordinatorActor)
+        if self._failed is not None:
+            self._host.remember_failure(self.op, self._failed, self.timeout_s)
+        if self._finished:
+            self._host.drop(self.op, self)
+        else:
+            asyncio.get_running_loop().call_later(delay_s, self._host.drop, self.op, self)
 
 
-def get_or_create_coordinator(group_name: str, op: int, world_size: int, timeout_s: float, rank: int):
-    """The coordinator actor of operation ``op`` of group ``group_name``; the first rank creates it."""
-    handle = _CoordinatorRemote.options(
-        name=coordinator_name(group_name, op),
-        namespace=NAMESPACE,
-        get_if_exists=True,
-        num_cpus=0,
-        max_restarts=0,
-        # every rank has at most one call in flight, plus close() and status()
-        max_concurrency=max(1000, 4 * world_size),
-    ).remote(group_name, op, world_size, timeout_s, rank)
+class CoordinatorHost:
+    """One actor per group name, hosting the :class:`Coordinator` of each of its operations.
+
+    Operations are numbered by the ranks (``Group.next_operation``); the host
+    creates an operation's coordinator on its first call and drops it when the
+    operation ends, so an operation costs no actor or process start. A failed
+    operation is remembered for ``timeout_s``: a rank that comes late to it
+    learns at once that the others already ended it.
+    """
+
+    def __init__(self, group_name: str, creator_rank: int):
+        self.group_name = group_name
+        self.creator_rank = creator_rank
+        self.ops: dict[int, Coordinator] = {}
+        self.failed: dict[int, tuple[str, float]] = {}
+
+    def _get(self, op: int, world_size: int, timeout_s: float) -> Coordinator:
+        coord = self.ops.get(op)
+        if coord is None:
+            coord = self.ops[op] = _HostedCoordinator(self, self.group_name, op, world_size, timeout_s, self.creator_rank)
+        return coord
+
+    def _ended(self, op: int, rank: int, step: str):
+        entry = self.failed.get(op)
+        if entry is None or op in self.ops:
+            return None
+        msg, until = entry
+        if time.monotonic() > until:
+            del self.failed[op]
+            return None
+        return self.creator_rank, CheckpointError(
+            f"{step}: the coordinator of group '{self.group_name}' (operation {op}) is gone: the other ranks "
+            f"already ended the operation (it failed while rank {rank} was late: {msg.splitlines()[0]})")
+
+    async def reduce_scatter(self, op, timeout_s, rank, world_size, seq, step, local, reduce_fn):
+        ended = self._ended(op, rank, step)
+        if ended is not None:
+            return ended
+        return await self._get(op, world_size, timeout_s).reduce_scatter(rank, world_size, seq, step, local, reduce_fn)
+
+    async def exchange(self, op, timeout_s, rank, world_size, seq, step, outgoing):
+        ended = self._ended(op, rank, step)
+        if ended is not None:
+            return ended
+        return await self._get(op, world_size, timeout_s).exchange(rank, world_size, seq, step, outgoing)
+
+    async def close(self, op: int, rank: int) -> bool:
+        coord = self.ops.get(op)
+        return False if coord is None else await coord.close(rank)
+
+    async def status(self, op: int | None = None):
+        """The host's open operations, or one operation's status (None once it ended)."""
+        if op is None:
+            return {"group": self.group_name, "creator_rank": self.creator_rank, "ops": sorted(self.ops)}
+        coord = self.ops.get(op)
+        if coord is not None:
+            return await coord.status()
+        if op in self.failed:
+            return {"group": self.group_name, "op": op, "failed": self.failed[op][0], "ended": True}
+        return None
+
+    def drop(self, op: int, coord: Coordinator) -> None:
+        if self.ops.get(op) is coord:
+            del self.ops[op]
+
+    def remember_failure(self, op: int, err: CheckpointError, for_s: float) -> None:
+        self.failed[op] = (str(err), time.monotonic() + for_s)
+        now = time.monotonic()
+        for k in [k for k, (_, until) in self.failed.items() if until < now]:
+            del self.failed[k]
+
+
+_HostRemote = ray.remote(CoordinatorHost)
+
+
+def get_or_create_coordinator(group_name: str, world_size: int, rank: int):
+    """The coordinator host of group ``group_name``; the first rank to ask creates it."""
+    handle = _HOSTS.get(group_name)
+    if handle is None:
+        handle = _HostRemote.options(
+            name=coordinator_name(group_name),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+            # every rank has at most one call in flight per operation, plus close() and status()
+            max_concurrency=max(1000, 4 * world_size),
+        ).remote(group_name, rank)
+        _HOSTS[group_name] = handle
     return handle
 
 
-def retain_coordinator(handle) -> None:
-    """Keep ``handle`` (and so the actor, if this process created it) alive for peers still replying."""
-    _RECENT_COORDINATORS.append(handle)
+def forget_coordinator(group_name: str) -> None:
+    """Drop a host handle that no longer answers, so the next operation gets or creates a live one."""
+    _HOSTS.pop(group_name, None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,12 +1,14 @@
 """``RayTransport``: the transport protocol of ``raydcp.transport`` over Ray.
 
 Ranks are Ray actors or tasks (or the driver); the control plane goes through
-one coordinator actor per operation (``raydcp.runtime.coordinator``), the data
-plane through Ray's object store:
+one coordinator per operation (``raydcp.runtime.coordinator``), hosted by one
+long-lived actor per group, the data plane through Ray's object store:
 
 1. ``RayTransport(group, op)`` (from ``Group.open_transport``) gets or creates
-   the coordinator actor ``raydcp:<group>:<op>`` in namespace ``raydcp``; the
-   first rank to get there creates it.
+   the group's coordinator host ``raydcp:<group>`` in namespace ``raydcp`` (the
+   first rank to get there creates it; later operations reuse it, so an
+   operation costs no actor start); the host makes operation ``op``'s
+   coordinator on its first call.
 2. ``reduce_scatter``: the rank sends its value to the coordinator and blocks on
    the reply; the coordinator bounds the wait by ``group.timeout_s``.
 3. ``exchange``: the sender puts each buffer into the object store as an Arrow
@@ -15,8 +17,9 @@ plane through Ray's object store:
    of its refs with one ``ray.get`` and gets zero-copy ``pyarrow.Buffer`` views
    of shared memory (buffers to itself skip the object store). The sender keeps
    the refs, and so the objects, alive until its next ``reduce_scatter`` returns.
-4. ``close`` drops the refs and tells the coordinator; the rank whose close
-   finishes the operation ends the coordinator actor.
+4. ``close`` drops the refs and tells the coordinator; when every rank closed,
+   the host drops the operation's coordinator (a failed one is remembered for
+   ``timeout_s``, so a late rank learns at once that the others ended it).
 
 A group of one rank needs no coordinator and runs everything in-process.
 """
@@ -69,13 +72,11 @@ class RayTransport(Transport):
         self._creator: int | None = None
         self._coord = None
         if self.world_size > 1:
-            self._coord = actors.get_or_create_coordinator(
-                group.name, op, self.world_size, self._timeout_s, self.rank
-            )
+            self._coord = actors.get_or_create_coordinator(group.name, self.world_size, self.rank)
 
     @property
     def coordinator_name(self) -> str:
-        return actors.coordinator_name(self.group.name, self.op)
+        return actors.coordinator_name(self.group.name)
 
     # -- control plane --------------------------------------------------------
     def reduce_scatter(self, step, local, reduce_fn):
@@ -156,16 +157,11 @@ class RayTransport(Transport):
             return
         coord, self._coord = self._coord, None
         try:
-            finished = ray.get(coord.close.remote(self.rank), timeout=min(self._timeout_s, 30.0))
-        except Exception:  # the coordinator is gone already, or unreachable: nothing to release
-            return
-        if finished:
-            try:
-                ray.kill(coord, no_restart=True)
-            except Exception:
-                pass
-        else:
-            actors.retain_coordinator(coord)
+            ray.get(coord.close.remote(self.op, self.rank), timeout=min(self._timeout_s, 30.0))
+        except rex.RayActorError:  # the host died (its creator's process ended): the next operation makes a new one
+            actors.forget_coordinator(self.group.name)
+        except Exception:  # unreachable: nothing to release
+            pass
 
     # -- helpers ----------------------------------------------------------------
     def _check_open(self, step):
@@ -176,11 +172,11 @@ class RayTransport(Transport):
         """One call to the coordinator: returns the rank's value (possibly a CheckpointError)."""
         remote = getattr(self._coord, method).remote
         try:
-            ref = remote(self.rank, self.world_size, self._seq, step, *args)
+            ref = remote(self.op, self._timeout_s, self.rank, self.world_size, self._seq, step, *args)
         except Exception as exc:  # the value could not be serialized: still take part, as a failure
             failure = RankFailure(self.rank, f"could not send its value to the coordinator: {type(exc).__name__}: {exc}")
             extra = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
-            ref = remote(self.rank, self.world_size, self._seq, step, failure, *extra)
+            ref = remote(self.op, self._timeout_s, self.rank, self.world_size, self._seq, step, failure, *extra)
         try:
             self._creator, value = ray.get(ref, timeout=self._timeout_s + _REPLY_GRACE_S)
             return value
@@ -190,6 +186,7 @@ class RayTransport(Transport):
                 f"{self._timeout_s + _REPLY_GRACE_S:g}s; is the Ray cluster overloaded?"
             )
         except rex.RayActorError as exc:
+            actors.forget_coordinator(self.group.name)
             return self._coordinator_died(step, exc)
         except rex.RayTaskError as exc:
             return CheckpointError(f"{step}: the coordinator {self.coordinator_name!r} failed: {exc}")

@@ -110,7 +110,8 @@ class _FaultTransport(RayTransport):
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             try:
-                if ray.get(self._coord.status.remote(), timeout=within_s)["failed"]:
+                status = ray.get(self._coord.status.remote(self.op), timeout=within_s)
+                if status is not None and status["failed"]:  # None: the others have not started yet
                     return
             except Exception:  # ended already
                 return

@@ -53,7 +53,7 @@ def start(ray, actors, name, timeout_s=30.0, creator=0):
     n = len(actors)
     coord = ray.get(actors[creator].open.remote(name, creator, n, timeout_s))
     ray.get([a.open.remote(name, r, n, timeout_s) for r, a in enumerate(actors) if r != creator])
-    # the coordinator actor starts asynchronously; timing tests measure from when it is up
+    # the coordinator host starts asynchronously; timing tests measure from when it is up
     ray.get(ray.get_actor(coord, namespace="raydcp").status.remote())
     return coord
 
@@ -62,28 +62,29 @@ def run_all(ray, actors, ops_by_rank):
     return ray.get([a.run.remote(ops) for a, ops in zip(actors, ops_by_rank)])
 
 
-def wait_gone(ray, name, within_s=10.0):
+def wait_ended(ray, group_name, op=0, within_s=10.0):
+    """True once the group's host dropped operation ``op`` (every rank closed it)."""
+    host = ray.get_actor(f"raydcp:{group_name}", namespace="raydcp")
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace="raydcp")
-        except ValueError:
+        status = ray.get(host.status.remote(op))
+        if status is None or status.get("ended"):
             return True
         time.sleep(0.05)
     return False
 
 
-def test_reduce_scatter_by_rank_and_coordinator_gone_after_close(ray_session, pool):
+def test_reduce_scatter_by_rank_and_operation_ended_after_close(ray_session, pool):
     name = uname("rs")
     coord = start(ray_session, pool, name)
-    assert coord == f"raydcp:{name}:0"
+    assert coord == f"raydcp:{name}"
     assert ray_session.get_actor(coord, namespace="raydcp")
     ops = [[("rs", "plan", 10 * r, add_rank_sum), ("rs", "commit", r, gather_all), ("close",)] for r in range(4)]
     out = run_all(ray_session, pool, ops)
     for r, res in enumerate(out):
         assert res[0] == ("ok", 10 * r + 60)
         assert res[1] == ("ok", [0, 1, 2, 3])
-    assert wait_gone(ray_session, coord)
+    assert wait_ended(ray_session, name)
 
 
 def test_exchange_routes_bit_exact_including_to_self(ray_session, pool):
@@ -142,7 +143,7 @@ def test_rank_failure_raises_same_error_on_every_rank(ray_session, pool):
     assert len({e[1] for e in errs}) == 1
     assert "rank 2" in errs[0][1] and "disk full on /ckpt" in errs[0][1]
     assert all(e[2] == {2: "disk full on /ckpt"} for e in errs)
-    assert wait_gone(ray_session, f"raydcp:{name}:0")
+    assert wait_ended(ray_session, name)
 
 
 def test_reduce_fn_that_raises_fails_every_rank(ray_session, pool):
@@ -167,7 +168,7 @@ def test_rank_that_never_arrives_is_named_within_timeout(ray_session, pool):
         assert failures.keys() == {2}
         assert waited >= FAST_TIMEOUT_S - 0.5
     # every rank that took part closed: the coordinator ends, and the straggler learns at once
-    assert wait_gone(ray_session, f"raydcp:{name}:0")
+    assert wait_ended(ray_session, name)
     late = ray_session.get(actors[2].run.remote([("rs", "plan", 0, gather_all)]))
     assert late[0][0] == "err" and late[0][3] < 1.0 and "already ended the operation" in late[0][1]
 
@@ -206,18 +207,21 @@ def test_two_groups_run_concurrently(ray_session, pool):
         r = i % 2
         assert res[0] == ("ok", r + 1)  # each group sums only its own ranks
         assert [(t, d) for t, d, _ in res[1][1]] == [(f"x{1 - r}", bytes([1 - r]) * 5)]
-    assert wait_gone(ray_session, f"raydcp:{a_name}:0") and wait_gone(ray_session, f"raydcp:{b_name}:0")
+    assert wait_ended(ray_session, a_name) and wait_ended(ray_session, b_name)
 
 
-def test_operations_of_a_group_get_fresh_coordinators(ray_session, pool):
+def test_operations_of_a_group_share_one_host_with_fresh_coordinators(ray_session, pool):
     name = uname("ops")
     actors = pool[:2]
-    for op in range(2):
+    hosts = set()
+    for op in range(3):
         coord = ray_session.get([a.open.remote(name, r, 2, 30.0) for r, a in enumerate(actors)])
-        assert coord == [f"raydcp:{name}:{op}"] * 2
-        out = run_all(ray_session, actors, [[("rs", "s", r, gather_all), ("close",)] for r in range(2)])
-        assert out[0][0] == ("ok", [0, 1])
-        assert wait_gone(ray_session, coord[0])
+        assert coord == [f"raydcp:{name}"] * 2
+        hosts.add(ray_session.get_actor(coord[0], namespace="raydcp")._actor_id)
+        out = run_all(ray_session, actors, [[("rs", "s", r + op, gather_all), ("close",)] for r in range(2)])
+        assert out[0][0] == ("ok", [op, op + 1])
+        assert wait_ended(ray_session, name, op)
+    assert len(hosts) == 1  # no actor start per operation
 
 
 def test_group_counts_operations(ray_session):
