@@ -4,9 +4,9 @@ Only fsspec is used here (no Ray, no torch). Data files are written in parallel 
 read back by exact byte ranges, and a checkpoint becomes visible only when its metadata file
 (METADATA_NAME) is committed, atomically and last.
 """
-from raydcp.storage._common import METADATA_NAME
-from raydcp.storage.fs import CheckpointStorage
-from raydcp.storage.retention import CommittedCheckpoint, apply_retention, list_committed
+from ._common import METADATA_NAME
+from .fs import CheckpointStorage
+from .retention import CommittedCheckpoint, apply_retention, list_committed
 
 __all__ = [
     "METADATA_NAME",

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from raydcp.errors import CheckpointError
+from ..errors import CheckpointError
 
 METADATA_NAME = "raydcp.meta"
 

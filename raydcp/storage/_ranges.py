@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from raydcp.errors import CheckpointError
+from ..errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Sequence
 
-from raydcp.errors import CheckpointError
-from raydcp.storage import _local
-from raydcp.storage._common import (
+from ..errors import CheckpointError
+from . import _local
+from ._common import (
     METADATA_NAME,
     check_name,
     describe,
@@ -20,8 +20,8 @@ from raydcp.storage._common import (
     translating,
     truncated_file_error,
 )
-from raydcp.storage._local import pread_into
-from raydcp.storage._ranges import RangePlan, byte_view, plan_ranges
+from ._local import pread_into
+from ._ranges import RangePlan, byte_view, plan_ranges
 
 __all__ = ["CheckpointStorage"]
 

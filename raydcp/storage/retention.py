@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from raydcp.errors import CheckpointError
-from raydcp.storage._common import (
+from ..errors import CheckpointError
+from ._common import (
     METADATA_NAME,
     forget,
     info_timestamp,
@@ -20,7 +20,7 @@ from raydcp.storage._common import (
     to_url,
     translating,
 )
-from raydcp.storage.fs import CheckpointStorage
+from .fs import CheckpointStorage
 
 __all__ = ["CommittedCheckpoint", "list_committed", "apply_retention"]
 
