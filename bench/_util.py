@@ -64,6 +64,44 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def measured(fn: Callable[[], Any]) -> tuple[float, float, float, Any]:
+    """Run ``fn`` once: (wall s, CPU s of this process in all its threads, user + system, gc wall s, result).
+
+    CPU seconds are the contention-robust view of CPU-bound work on a shared machine: other
+    processes delay a step's wall time, but barely change the CPU it burns.
+    """
+    import resource
+
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    g0 = GC.total
+    t0 = time.perf_counter()
+    out = fn()
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return wall, cpu, GC.total - g0, out
+
+
+class LoadRange:
+    """The 1-minute load average, sampled as a run goes: other work on the machine meanwhile."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self.sample()
+
+    def sample(self) -> str:
+        try:
+            self.samples.append(os.getloadavg()[0])
+            return f"{self.samples[-1]:.1f}"
+        except OSError:
+            return "?"
+
+    def __str__(self) -> str:
+        if not self.samples:
+            return "?"
+        return f"{min(self.samples):.1f}-{max(self.samples):.1f} (median {statistics.median(self.samples):.1f})"
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
