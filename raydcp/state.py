@@ -179,6 +179,7 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
             )
 
     visit(state_dict, "", lambda v: None)
+    visit = None  # noqa: F841 -- break the closure's self-reference, so tensors are freed without a GC pass
     return flat
 
 
