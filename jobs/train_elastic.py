@@ -171,13 +171,15 @@ def train_loop(config: dict) -> None:
             draws = [None] * world
             dist.all_gather_object(draws, draw_rng())
             metrics["draws"] = draws
+        pausing = (events is not None and state.step == config.get("pause_at")
+                   and world < config.get("max_workers", world))
         if state.step % every == 0 or state.step == steps:
-            raydcp.train.save({"train": state}, metrics)
+            # before pausing, make sure Ray Train has registered the checkpoint the resize resumes from
+            raydcp.train.save({"train": state}, metrics, wait_registered=pausing)
         elif raydcp.train.save_on_preemption({"train": state}, metrics, get_info=get_info):
             pass  # the run goes on until the node is actually taken away
 
-        if (events is not None and state.step == config.get("pause_at")
-                and world < config.get("max_workers", world)):
+        if pausing:
             if rank == 0:
                 ray.get(events.set.remote("paused"))
             # Wait for the cluster to grow: Ray Train then stops this worker group and restarts the

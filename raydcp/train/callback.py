@@ -5,8 +5,8 @@ calls it on the controller process (not on the workers):
 
 1. ``after_report`` (after the checkpoint manager registered the report): for a
    checkpoint written by :func:`raydcp.train.save`, check that it is committed
-   (its metadata is published and decodes), that it was saved by as many ranks as
-   reported, that the pieces of every tensor tile it exactly and that every data
+   (its metadata is published and decodes), that it was saved by the world size
+   the ranks reported, that the pieces of every tensor tile it exactly and that every data
    file exists and is long enough (``verify="checksums"`` also reads every byte
    and checks its CRC32C); then append a record with its size, save seconds and
    throughput. An incomplete checkpoint raises a :class:`CheckpointError`
@@ -114,7 +114,8 @@ class RayDCPCallback(UserCallback):
         self._reported.add(name)
         self._latest = name
         url, options = fsspec_location(checkpoint.filesystem, checkpoint.path, self.storage_options)
-        md, problems = check_checkpoint(url, options, world_size=len(metrics), checksums=self.verify == "checksums")
+        world = max(int(m.get("world_size", 0)) for m in ours) or None  # as the ranks saw it
+        md, problems = check_checkpoint(url, options, world_size=world, checksums=self.verify == "checksums")
         seconds = max(float(m.get("seconds", 0.0)) for m in ours)
         nbytes = md.total_bytes if md is not None else None
         record = {

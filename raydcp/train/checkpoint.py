@@ -3,11 +3,14 @@
 Save, per report (every rank of the worker group calls it together):
 
 1. rank 0 names the checkpoint directory (``raydcp-step<step>-<nonce>``) and
-   broadcasts the name with ``ray.train.collective.broadcast_from_rank_zero``;
+   broadcasts the name with ``ray.train.collective.broadcast_from_rank_zero``,
+   together with the name of the worker group's raydcp Group;
 2. every rank saves its part with ``raydcp.save`` straight into
-   ``<run storage>/<name>``; the group is ``Group("raydcp-train:<run>:<nonce>",
-   world rank, world size)``, so each checkpoint of each attempt has its own
-   coordinator; the metadata commits last;
+   ``<run storage>/<name>``; the metadata commits last. The Group,
+   ``Group("raydcp-train:<run>:<nonce>", world rank, world size)``, is made once
+   per worker group (each attempt of the run gets a new one) and reused by every
+   save and restore of that worker group: its operations are numbered in call
+   order, which all ranks share since both calls are collectives;
 3. every rank calls ``ray.train.report(metrics, checkpoint=<that directory>,
    checkpoint_upload_mode=NO_UPLOAD)``: nothing is copied, and Ray Train's
    checkpoint manager registers it (``CheckpointConfig.num_to_keep`` and
@@ -76,8 +79,31 @@ def _step_of(state: dict, metrics: dict | None) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
+# One Group per worker group (this process's rank in it), per timeout: (run, rank, world, timeout) -> Group
+_GROUPS: dict[tuple, Group] = {}
+
+
+def _group_key(ctx, timeout_s: float) -> tuple:
+    return (ctx.get_experiment_name(), ctx.get_world_rank(), ctx.get_world_size(), float(timeout_s))
+
+
+def _proposed_group_name(ctx, timeout_s: float) -> str:
+    """Rank 0: the name of this worker group's Group (a new one on first use)."""
+    group = _GROUPS.get(_group_key(ctx, timeout_s))
+    return group.name if group is not None else f"raydcp-train:{ctx.get_experiment_name()}:{new_nonce()}"
+
+
+def _group(ctx, name: str, timeout_s: float) -> Group:
+    key = _group_key(ctx, timeout_s)
+    group = _GROUPS.get(key)
+    if group is None or group.name != name:
+        group = _GROUPS[key] = Group(name, ctx.get_world_rank(), ctx.get_world_size(), timeout_s=timeout_s)
+    return group
+
+
 def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
-         storage_options: dict | None = None, timeout_s: float = 600.0, _emergency: dict | None = None) -> Metadata:
+         storage_options: dict | None = None, timeout_s: float = 600.0, wait_registered: bool = False,
+         _emergency: dict | None = None) -> Metadata:
     """Save this rank's part of ``state_dict`` as one checkpoint of the run, and report it.
 
     Every worker calls it at the same point (it is a collective, like
@@ -87,6 +113,12 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     ``step`` names the directory; by default the step of a TrainState in the state
     dict, else ``metrics["step"]``. ``storage_options`` are fsspec options for the
     run's storage (credentials/endpoint of s3:// storage). Returns the metadata.
+
+    The checkpoint counts (``get_checkpoint`` returns it after a restart) once Ray
+    Train's controller has taken every rank's report, at its next poll of the
+    workers; a worker that dies before that loses it, as with any Ray Train
+    checkpoint. ``wait_registered=True`` returns only after that point (emergency
+    saves do), at the cost of up to one poll interval.
     """
     ctx = _context("save")
     state = _as_state_dict(state_dict)
@@ -96,14 +128,13 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
         step = _step_of(state, metrics)
     proposal = None
     if rank == 0:
-        nonce = new_nonce()
-        proposal = (checkpoint_dir_name(step, nonce), nonce)
+        proposal = (checkpoint_dir_name(step, new_nonce()), _proposed_group_name(ctx, timeout_s))
     from ray.train.collective import broadcast_from_rank_zero
 
-    name, nonce = broadcast_from_rank_zero(proposal)
+    name, group_name = broadcast_from_rank_zero(proposal)
+    group = _group(ctx, group_name, timeout_s)
     fs_path = storage.build_checkpoint_path_from_name(name)
     url, options = fsspec_location(storage.storage_filesystem, fs_path, storage_options)
-    group = Group(f"raydcp-train:{ctx.get_experiment_name()}:{nonce}", rank, world, timeout_s=timeout_s)
 
     t0 = time.perf_counter()
     md = engine.save(state, url, group=group, storage_options=options)
@@ -118,6 +149,8 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
 
     ray.train.report(reported, checkpoint=Checkpoint(path=fs_path, filesystem=storage.storage_filesystem),
                      checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    if wait_registered:  # every rank waits, so none can move on (and die) before the controller has it
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
     return md
 
 
@@ -134,7 +167,7 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     """
     ctx = _context("restore")
     state = _as_state_dict(state_dict)
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank = ctx.get_world_rank()
     storage = ctx.get_storage()
     if rank == 0:
         removed = remove_uncommitted(storage, storage_options)
@@ -142,7 +175,8 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
             logger.info("raydcp: removed uncommitted checkpoint directories %s", removed)
     from ray.train.collective import broadcast_from_rank_zero
 
-    nonce = broadcast_from_rank_zero(new_nonce() if rank == 0 else None)  # also waits for the cleanup
+    group_name = broadcast_from_rank_zero(  # also waits for the cleanup
+        _proposed_group_name(ctx, timeout_s) if rank == 0 else None)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return False
@@ -150,8 +184,7 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     md = engine.read_metadata(url, storage_options=options)
     for prefix, ts in _train_states(state):
         ts.prepare_restore(md, prefix)
-    group = Group(f"raydcp-train:{ctx.get_experiment_name()}:{nonce}", rank, world, timeout_s=timeout_s)
-    engine.load(state, url, group=group, strict=strict, storage_options=options)
+    engine.load(state, url, group=_group(ctx, group_name, timeout_s), strict=strict, storage_options=options)
     return True
 
 

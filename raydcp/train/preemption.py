@@ -33,7 +33,8 @@ def save_on_preemption(state_dict: Any, metrics: dict | None = None, *,
     ``get_info`` replaces ``ray.train.get_preemption_info`` (tests and custom
     signals: any callable returning None or an object with ``deadline_ms`` and
     ``preempted_node_to_ranks``; it must give every rank the same answer). One
-    checkpoint is saved per preemption event. The reported metrics carry
+    checkpoint is saved per preemption event, and the call returns once Ray Train
+    has registered it (``wait_registered``). The reported metrics carry
     ``raydcp.emergency`` = {deadline_ms, preempted_ranks, seconds_left} where
     ``seconds_left`` is the time to the deadline when the save started;
     a save that ends past the deadline is logged as a warning.
@@ -52,6 +53,7 @@ def save_on_preemption(state_dict: Any, metrics: dict | None = None, *,
     _handled.add(event)
     ranks = sorted({r for rs in (getattr(info, "preempted_node_to_ranks", {}) or {}).values() for r in rs})
     left = None if info.deadline_ms is None else info.deadline_ms / 1000.0 - time.time()
+    save_kwargs.setdefault("wait_registered", True)  # registered before anything else can go wrong
     save(state_dict, metrics, _emergency={"deadline_ms": info.deadline_ms, "preempted_ranks": ranks,
                                           "seconds_left": left}, **save_kwargs)
     if info.deadline_ms is not None and time.time() * 1000.0 > info.deadline_ms:
