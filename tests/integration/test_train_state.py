@@ -2,6 +2,7 @@
 storage mapping and the callback's completeness check. One process, no Ray."""
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -138,3 +139,63 @@ def test_save_and_restore_need_a_ray_train_worker():
         raydcp.train.save({"x": torch.ones(1)})
     with pytest.raises(raydcp.CheckpointError, match="inside a Ray Train training function"):
         raydcp.train.restore({"x": torch.ones(1)})
+
+
+def test_save_on_preemption_saves_once_per_announced_event(monkeypatch):
+    from ray.train import PreemptionInfo
+
+    from raydcp.train import preemption
+
+    calls = []
+    monkeypatch.setattr(preemption, "save", lambda sd, metrics, **kw: calls.append((metrics, kw)))
+    monkeypatch.setattr(preemption, "_handled", set())
+    info = PreemptionInfo(deadline_ms=4_102_444_800_000, preempted_node_to_ranks={"n1": [3, 2]})
+    assert not raydcp.train.save_on_preemption({}, {"loss": 1.0}, get_info=lambda: None)
+    assert raydcp.train.save_on_preemption({}, {"loss": 1.0}, get_info=lambda: info)
+    assert not raydcp.train.save_on_preemption({}, {"loss": 0.9}, get_info=lambda: info)  # already saved for it
+    later = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n2": [0]})
+    assert raydcp.train.save_on_preemption({}, None, get_info=lambda: later)
+    (m1, kw1), (_, kw2) = calls
+    assert m1 == {"loss": 1.0} and kw1["wait_registered"] is True
+    assert kw1["_emergency"]["preempted_ranks"] == [2, 3] and kw1["_emergency"]["seconds_left"] > 0
+    assert kw2["_emergency"] == {"deadline_ms": None, "preempted_ranks": [0], "seconds_left": None}
+
+
+def _run_storage(tmp_path):
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    return StorageContext(storage_path=str(tmp_path), experiment_dir_name="run")
+
+
+def test_after_exception_removes_what_ray_train_did_not_register(tmp_path):
+    from types import SimpleNamespace
+
+    storage = _run_storage(tmp_path)
+    run = tmp_path / "run"
+    for name in ("raydcp-step00000002-aaaaaaaa", "raydcp-step00000004-bbbbbbbb"):
+        raydcp.save({"x": torch.ones(2)}, run / name)  # committed
+    (run / "raydcp-step00000006-cccccccc" / "data").mkdir(parents=True)  # a save cut short
+    (run / "raydcp-step00000006-cccccccc" / "data" / "r0.bin").write_bytes(b"partial")
+    (run / "checkpoint_2026-01-01_00-00-00.000000").mkdir()  # not raydcp's: left alone
+    snapshot = {"checkpoint_results": [{"checkpoint_dir_name": "raydcp-step00000002-aaaaaaaa", "metrics": {}}],
+                "latest_checkpoint_result": {"checkpoint_dir_name": "raydcp-step00000002-aaaaaaaa", "metrics": {}}}
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+
+    cb = raydcp.train.RayDCPCallback()
+    ctx = SimpleNamespace(run_config=SimpleNamespace(storage_context=storage))
+    cb.after_exception(ctx, {1: RuntimeError("rank 1 died\nmore")})
+    rec = cb.records[-1]
+    assert rec["removed"] == ["raydcp-step00000004-bbbbbbbb", "raydcp-step00000006-cccccccc"]
+    assert (rec["ranks"], rec["errors"], rec["latest"], rec["latest_committed"]) == (
+        [1], {"1": "rank 1 died"}, "raydcp-step00000002-aaaaaaaa", True)
+    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == [
+        "checkpoint_2026-01-01_00-00-00.000000", "raydcp-step00000002-aaaaaaaa"]
+    lines = (run / raydcp.train.RECORDS_NAME).read_text().splitlines()
+    assert len(lines) == 1 and '"event": "exception"' in lines[0]
+
+    # Ray Train's list unreadable: only the directories that never committed are garbage
+    (run / "raydcp-step00000008-dddddddd").mkdir()
+    raydcp.save({"x": torch.ones(2)}, run / "raydcp-step00000010-eeeeeeee")
+    (run / "checkpoint_manager_snapshot.json").write_text("{not json")
+    cb.after_exception(ctx, {0: RuntimeError("again")})
+    assert cb.records[-1]["removed"] == ["raydcp-step00000008-dddddddd"]
