@@ -185,7 +185,7 @@ def train_loop(config: dict) -> None:
             # Wait for the cluster to grow: Ray Train then stops this worker group and restarts the
             # run on more workers. The timeout only keeps a run without a scale-up from hanging.
             try:
-                ray.get(events.wait.remote("never"), timeout=config.get("pause_timeout_s", 120))
+                ray.get(events.wait.remote("never"), timeout=config.get("pause_timeout_s", 300))
             except ray.exceptions.GetTimeoutError:
                 pass
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,12 +51,13 @@ def derived_draws(seed: int, step: int, rank: int, steps_after: int) -> list[flo
 
 
 @pytest.fixture(scope="session")
-def train_runs(ray_session, tmp_path_factory):
+def train_runs(ray_session, tmp_path_factory, request):
     """``train_runs(name, config=BASE, workers=2, key=name, **make_trainer_kwargs)``: fit once per key.
 
     Every run lives under ``train_runs.storage/<name>``. ``train_runs.reference()`` is the
     uninterrupted 6-step run on 2 workers that the other runs are compared with; also
-    ``.example`` (the loaded jobs/train_elastic.py), ``.base`` and ``.derived_draws``.
+    ``.example`` (the loaded jobs/train_elastic.py), ``.base``, ``.derived_draws`` and
+    ``.scaleup()`` (the result of the elastic example, started in the background).
     """
     from ray import cloudpickle
 
@@ -78,9 +80,38 @@ def train_runs(ray_session, tmp_path_factory):
     fit.storage = storage
     fit.reference = lambda: fit("reference", num_to_keep=1, score="loss")
     fit.example, fit.base, fit.derived_draws = ex, BASE, derived_draws
+
+    # The scale-up example runs on its own cluster in a subprocess. When its test is selected it
+    # starts now, so that it overlaps with the runs above; test_train_scaleup.py collects it last.
+    scaleup_dir = tmp_path_factory.mktemp("scaleup")
+    procs: list = []
+
+    def start_scaleup():
+        if not procs:
+            with open(scaleup_dir / "stdout", "w") as out, open(scaleup_dir / "stderr", "w") as err:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(_EXAMPLE), "--json", "--steps", "6", "--ckpt-every", "3",
+                     "--pause-at", "3", "--dir", str(scaleup_dir / "runs")],
+                    stdout=out, stderr=err, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+                ))
+        return procs[0]
+
+    def scaleup(timeout_s: float = 540):
+        """(exit status, stdout, stderr) of ``jobs/train_elastic.py`` (2 -> 4 workers, steps as BASE)."""
+        proc = start_scaleup()
+        proc.wait(timeout=timeout_s)
+        return proc.returncode, (scaleup_dir / "stdout").read_text(), (scaleup_dir / "stderr").read_text()
+
+    fit.scaleup = scaleup
+    if any("test_train_scaleup.py" in item.nodeid for item in request.session.items):
+        start_scaleup()
     try:
         yield fit
     finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

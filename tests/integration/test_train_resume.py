@@ -11,7 +11,7 @@ global batch of 12 split evenly, a checkpoint every 3 steps). Runs (tests/integr
   resumes from the emergency checkpoint and ends bitwise equal to the reference.
 
 The resume on 4 workers is the elastic scale-up through an added node, in
-tests/integration/test_train_elastic.py (compared with the same reference).
+tests/integration/test_train_scaleup.py (compared with the same reference).
 """
 from __future__ import annotations
 

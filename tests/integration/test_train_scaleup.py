@@ -1,19 +1,16 @@
 """A real elastic scale-up: jobs/train_elastic.py on its own Ray cluster (ray.cluster_utils.Cluster).
 
 The example runs in a subprocess, so that its cluster (a head with room for 2 workers, then a
-second node with room for 2 more) never meets the session's Ray instance in this process. The
-run starts on 2 workers (ScalingConfig(num_workers=(2, 4))), checkpoints at step 3 and waits;
-the added node makes Ray Train restart it on 4 workers, which restore the 2-rank checkpoint
-resharded and train to step 6. The result is compared with the session's uninterrupted
-2-worker reference run (same configuration).
+second node with room for 2 more) never meets the session's Ray instance in this process; the
+``train_runs`` fixture starts it in the background and this module (last of the Ray Train tests)
+collects it. The run starts on 2 workers (ScalingConfig(num_workers=(2, 4))), checkpoints at
+step 3 and waits; the added node makes Ray Train restart it on 4 workers, which restore the
+2-rank checkpoint resharded and train to step 6. The result is compared with the session's
+uninterrupted 2-worker reference run (same configuration).
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,18 +18,11 @@ import raydcp
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
-_EXAMPLE = Path(__file__).resolve().parents[2] / "jobs" / "train_elastic.py"
 
-
-def test_scale_up_through_an_added_node_resumes_resharded_and_matches(train_runs, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    proc = subprocess.run(
-        [sys.executable, str(_EXAMPLE), "--json", "--steps", "6", "--ckpt-every", "3", "--pause-at", "3",
-         "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=540, env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_scale_up_through_an_added_node_resumes_resharded_and_matches(train_runs):
+    returncode, stdout, stderr = train_runs.scaleup()
+    assert returncode == 0, stdout[-3000:] + stderr[-6000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
 
     # two attempts: a fresh start on 2 workers, then 4 workers resumed at the step-3 checkpoint
     assert [(a["world_size"], a["resumed"], a["start_step"]) for a in summary["attempts"]] == [
