@@ -43,7 +43,23 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "loadavg": loadavg(),
+        "revision": revision(),
     }
+
+
+def revision() -> str:
+    """The commit measured, and whether raydcp/ differed from it (the tree is edited while benchmarks run)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "raydcp"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return head + (" + uncommitted changes in raydcp/" if dirty else "")
 
 
 def loadavg() -> str:

@@ -405,7 +405,7 @@ def main() -> None:
     text, summary = report(points, dcp)
     print(f"\n## planning  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, pinned to one CPU, CPU seconds;"
           f" load average {info['loadavg']} at the start, {loadavg()} at the end)\n")
-    print(f"command: {argv_line()}\n")
+    print(f"command: {argv_line()}  (raydcp at {info['revision']})\n")
     print(text)
     if args.profile:
         gc.collect()

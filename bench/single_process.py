@@ -407,7 +407,7 @@ def main() -> None:
     info["loadavg_during"] = str(loads)
     print(f"\n## single_process  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM;"
           f" 1-minute load average during the run {loads})\n")
-    print(f"command: {argv_line()}\n")
+    print(f"command: {argv_line()}  (raydcp at {info['revision']})\n")
     print("\n".join(texts))
     out = save_json("single_process" + ("-cold" if args.cold else ""),
                     {"machine": info, "args": vars(args), "results": results, "summary": summary})
