@@ -333,6 +333,9 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
         per = [p[name] / p["pieces"] for p in points]
         lin[name] = per[-1] / per[0]
         lrows.append([name, *(x / per[0] for x in per)])
+    for name in ("plan_save", "decode", "load_plan"):  # the collector's share grows with the live objects
+        per = [(p[name] - p[name + "_gc"]) / p["pieces"] for p in points]
+        lrows.append([f"{name}, outside the gc", *(x / per[0] for x in per)])
     out += [f"Linearity: seconds per piece relative to {base['ranks']} ranks (1.0 = linear; work that grows with"
             f" the square of the ranks reads {points[-1]['ranks'] / base['ranks']:.1f} in the last column)", "",
             table(["step", *(f"{p['ranks']} ranks" for p in points)], lrows), ""]
