@@ -19,4 +19,8 @@ def __getattr__(name: str):
         from .runtime.shard_group import ShardGroup
 
         return ShardGroup
+    if name == "train":  # raydcp.train.save(...) without importing raydcp.train first
+        import importlib
+
+        return importlib.import_module(".train", __name__)
     raise AttributeError(f"module 'raydcp' has no attribute {name!r}")
