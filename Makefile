@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(PY) jobs/demo.py
+	$(PY) jobs/train_elastic.py --verify
 
 test: $(STAMP)
 	$(PY) -m pytest -q

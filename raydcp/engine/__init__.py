@@ -5,6 +5,8 @@ The engine never imports Ray: ``group=None`` uses the in-process transport, a
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 from typing import Any
 
@@ -35,13 +37,27 @@ def _open(group: Group | None) -> Transport:
     return group.open_transport()
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector: planning allocates many small objects and none of
+    them form cycles that need collecting mid-operation (halves the time for many small tensors)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
          storage_options: dict | None = None) -> Metadata:
     """Save ``state_dict`` (this rank's part of it) as one checkpoint; returns its metadata."""
     ckpt = _checkpoint_id(checkpoint_id)
     transport = _open(group)
     try:
-        return save_with(transport, state_dict, ckpt, storage_options)
+        with _gc_paused():
+            return save_with(transport, state_dict, ckpt, storage_options)
     finally:
         transport.close()
 
@@ -52,7 +68,8 @@ def load(state_dict: dict, checkpoint_id, *, group: Group | None = None, strict:
     ckpt = _checkpoint_id(checkpoint_id)
     transport = _open(group)
     try:
-        return load_with(transport, state_dict, ckpt, strict=strict, storage_options=storage_options)
+        with _gc_paused():
+            return load_with(transport, state_dict, ckpt, strict=strict, storage_options=storage_options)
     finally:
         transport.close()
 

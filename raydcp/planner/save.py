@@ -141,7 +141,8 @@ def _tiling_problems(key: str, shape: tuple[int, ...], boxes: list[tuple]) -> li
     boxes.sort(key=lambda b: (b[0][d], b[0]))
     for i, (ao, asz) in enumerate(boxes):
         end = ao[d] + asz[d]
-        for bo, bsz in boxes[i + 1:]:
+        for j in range(i + 1, len(boxes)):
+            bo, bsz = boxes[j]
             if bo[d] >= end:
                 break
             if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(ao, asz, bo, bsz)):
