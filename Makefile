@@ -21,6 +21,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/single_process.py
 	$(PY) bench/planning.py
+	$(PY) bench/async_save.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
