@@ -111,8 +111,11 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     except Exception as exc:
         local = RankFailure.from_exception(transport.rank, exc)
     plan = transport.reduce_scatter("load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
-    reader = FileChunkReader(CheckpointStorage(checkpoint_id, storage_options))
-    nread = _execute(transport, plan, flat, reader)
+    storage = CheckpointStorage(checkpoint_id, storage_options)
+    try:
+        nread = _execute(transport, plan, flat, FileChunkReader(storage))
+    finally:
+        storage.close()
     return LoadStats(nread, plan.bytes_needed, time.perf_counter() - t0)
 
 

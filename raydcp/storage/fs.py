@@ -208,13 +208,9 @@ class CheckpointStorage:
             return
         if self._local:
             with translating("read", self.file_url(name)):
-                fd = self._open_local(name, path)
-                try:
-                    size = os.fstat(fd).st_size
-                    if size < end or pread_into(fd, view, start) < len(view):
-                        raise truncated_file_error(self.file_url(name), os.fstat(fd).st_size, end, self.url)
-                finally:
-                    os.close(fd)
+                fd, size = self._reader_fd(name, path)
+                if size < end or pread_into(fd, view, start) < len(view):
+                    raise truncated_file_error(self.file_url(name), os.fstat(fd).st_size, end, self.url)
             return
         try:
             data = self.fs.cat_file(path, start=start, end=end)
@@ -223,6 +219,25 @@ class CheckpointStorage:
         if len(data) != len(view):
             raise self._read_failure(name, path, end, None)
         view[:] = data
+
+    def _reader_fd(self, name: str, path: str) -> tuple[int, int]:
+        """An open descriptor (and the size) of a local data file, kept for the next read_into."""
+        fds = self.__dict__.setdefault("_fds", {})
+        if name not in fds:
+            fd = self._open_local(name, path)
+            fds[name] = (fd, os.fstat(fd).st_size)
+        return fds[name]
+
+    def close(self) -> None:
+        """Close the descriptors :meth:`read_into` kept open (the object stays usable)."""
+        for fd, _ in self.__dict__.pop("_fds", {}).values():
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
     def read_file(self, name: str) -> bytes:
         """The whole content of ``name``."""
