@@ -137,6 +137,15 @@ def get_or_create_coordinator(group_name: str, world_size: int, rank: int):
     return handle
 
 
+def end_group(group_name: str) -> None:
+    """Stop the coordinator host of a group that runs no more operations (single-use group names)."""
+    _HOSTS.pop(group_name, None)
+    try:
+        ray.kill(ray.get_actor(coordinator_name(group_name), namespace=NAMESPACE), no_restart=True)
+    except ValueError:  # never created (one rank) or gone already
+        pass
+
+
 def forget_coordinator(group_name: str) -> None:
     """Drop a host handle that no longer answers, so the next operation gets or creates a live one."""
     _HOSTS.pop(group_name, None)

@@ -39,6 +39,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ..engine import read_metadata, transfer
 from ..errors import CheckpointError
 from ..group import Group
+from . import actors
 from .actors import start_shard_actor
 from .layouts import check_layout, empty_state
 from .shard_actor import ShardActor
@@ -278,6 +279,7 @@ class ShardGroup:
         """Group specs of a fresh operation: every rank gets ``(name, rank, world_size, timeout_s)``."""
         name = f"{self.name}.{self._ops}"
         self._ops += 1
+        self._op_group = name
         w = world_size or self.world_size
         return lambda r: (name, r, w, self.timeout_s)
 
@@ -287,6 +289,14 @@ class ShardGroup:
 
         ``members`` maps a rank to ``(group, rank)`` where it is not this group's actor of the same rank.
         """
+        try:
+            return self._await(what, refs, members, local=local, note=note)
+        finally:  # each operation has its own group name: its coordinator host is done with
+            if getattr(self, "_op_group", None):
+                actors.end_group(self._op_group)
+                self._op_group = None
+
+    def _await(self, what: str, refs: dict, members: dict | None, *, local: dict | None, note: str) -> dict:
         members = members or {}
         results: dict[int, Any] = {}
         errors: dict[int, CheckpointError] = {r: e for r, e in (local or {}).items() if e is not None}

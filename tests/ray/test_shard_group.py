@@ -163,3 +163,18 @@ def test_operations_need_state(ray_session, pool):
         g.shutdown()
     with pytest.raises(CheckpointError, match="shut down"):
         g.full_state_dict()
+
+
+def test_operations_leave_no_coordinator_hosts_behind(ray_session, tmp_path):
+    import raydcp as _raydcp
+
+    _raydcp.save({"w": torch.arange(12.0).reshape(6, 2)}, tmp_path / "ck")
+    sg = _raydcp.ShardGroup(2, num_gpus_per_actor=0)
+    try:
+        sg.load(tmp_path / "ck")
+        other = sg.reshard(3)
+        other.shutdown()
+        names = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
+        assert not [n for n in names if n.startswith(f"raydcp:{sg.name}.")], names
+    finally:
+        sg.shutdown()
