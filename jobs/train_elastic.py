@@ -17,7 +17,7 @@ local two-node-capable Ray cluster:
    are compared (world-size independent up to float rounding: the global batch
    is the same and split evenly).
 
-Run: .venv/bin/python jobs/train_elastic.py [--steps 8] [--pause-at 4] [--verify] [--json]
+Run: .venv/bin/python jobs/train_elastic.py [--steps 8] [--pause-at 4] [--verify] [--async-save] [--json]
 
 The training function (:func:`train_loop`) is also what tests/integration runs.
 """
@@ -51,32 +51,33 @@ NUM_SAMPLES = 96
 
 # ---------------------------------------------------------------- model and data
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim: int = DIM):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.dim = dim
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         # no qkv bias: the key bias gets no gradient (softmax ignores it), and Adam would amplify
         # its rounding noise into updates that differ between world sizes
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM)
-        self.fc1, self.fc2 = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, self.dim // HEADS).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, DIM))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, self.dim))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class TinyLM(nn.Module):
-    """A two-block causal transformer, about 5k parameters."""
+    """A causal transformer; by default two blocks of width 16, about 5k parameters."""
 
-    def __init__(self):
+    def __init__(self, dim: int = DIM, layers: int = 2):
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.zeros(SEQ, dim))
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos
@@ -118,7 +119,8 @@ def draw_rng() -> list[float]:
 def train_loop(config: dict) -> None:
     """One Ray Train worker. Config: seed, steps, ckpt_every, global_batch, lr; optional
     stop_at (end this run early, after the checkpoint at that step), pause_at/max_workers/events
-    (elastic demo), preempt_at (a simulated preemption notice at that step)."""
+    (elastic demo), preempt_at (a simulated preemption notice at that step), async_save
+    (checkpoint with raydcp.train.save(async_save=True)), dim/layers (model size)."""
     from torch.distributed.fsdp import fully_shard
 
     ctx = ray.train.get_context()
@@ -126,7 +128,7 @@ def train_loop(config: dict) -> None:
     seed, steps, every, gbatch = config["seed"], config["steps"], config["ckpt_every"], config["global_batch"]
 
     torch.manual_seed(seed)  # the same initial weights on every rank
-    model = TinyLM()
+    model = TinyLM(config.get("dim", DIM), config.get("layers", 2))
     for blk in model.blocks:
         fully_shard(blk)
     fully_shard(model)
@@ -175,7 +177,8 @@ def train_loop(config: dict) -> None:
                    and world < config.get("max_workers", world))
         if state.step % every == 0 or state.step == steps:
             # before pausing, make sure Ray Train has registered the checkpoint the resize resumes from
-            raydcp.train.save({"train": state}, metrics, wait_registered=pausing)
+            raydcp.train.save({"train": state}, metrics, wait_registered=pausing,
+                              async_save=config.get("async_save", False))
         elif raydcp.train.save_on_preemption({"train": state}, metrics, get_info=get_info):
             pass  # the run goes on until the node is actually taken away
 
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", action="store_true", help="also train without interruption and compare")
     ap.add_argument("--dir", help="storage path (default: a temporary directory)")
     ap.add_argument("--json", action="store_true", help="print a JSON summary only")
+    ap.add_argument("--async-save", action="store_true",
+                    help="checkpoint asynchronously (raydcp.train.save(async_save=True))")
     args = ap.parse_args(argv)
     say = (lambda *a: None) if args.json else print
     storage = args.dir or tempfile.mkdtemp(prefix="raydcp-elastic-")
@@ -306,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         events = Events.options(name="raydcp-elastic-events").remote()
         config = {"seed": 0, "steps": args.steps, "ckpt_every": args.ckpt_every, "global_batch": 12,
-                  "pause_at": args.pause_at, "max_workers": 4, "events": "raydcp-elastic-events"}
+                  "pause_at": args.pause_at, "max_workers": 4, "events": "raydcp-elastic-events",
+                  "async_save": args.async_save}
         trainer = make_trainer(config, name="elastic", storage=storage, num_workers=(2, 4))
         out: dict = {}
         def fit():

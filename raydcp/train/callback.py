@@ -21,8 +21,13 @@ Records go to ``self.records`` (on the controller) and, one JSON object per line
 to ``<run directory>/raydcp_checkpoints.jsonl`` (``RECORDS_NAME``) next to the
 checkpoints. Checkpoint records: ``event="checkpoint"``, ``checkpoint`` (directory
 name), ``path``, ``step``, ``world_size``, ``bytes`` (tensor bytes), ``files``,
-``seconds`` (the slowest rank's save, from its ``metrics["raydcp"]``),
-``throughput_mb_s`` (bytes / seconds / 1e6), ``committed``, ``complete``,
+``mode`` (``"sync"`` or ``"async"``), ``seconds`` (the slowest rank's save, from
+the call to the commit, from its ``metrics["raydcp"]``), ``stall_seconds`` (the
+slowest rank's time blocked in ``raydcp.train.save``: the whole save when
+synchronous, the staging when ``async_save=True``), ``persist_seconds`` (the
+slowest rank's writing and commit: all of the save when synchronous, from the
+return of the call to the commit when asynchronous), ``throughput_mb_s``
+(bytes / seconds / 1e6), ``committed``, ``complete``,
 ``problems``, ``emergency`` (the preemption details of an emergency save, else
 None), ``reported_at``. Exception records: ``event="exception"``, ``ranks``,
 ``errors`` (first line per rank), ``removed`` (directories deleted), ``latest``
@@ -117,6 +122,8 @@ class RayDCPCallback(UserCallback):
         world = max(int(m.get("world_size", 0)) for m in ours) or None  # as the ranks saw it
         md, problems = check_checkpoint(url, options, world_size=world, checksums=self.verify == "checksums")
         seconds = max(float(m.get("seconds", 0.0)) for m in ours)
+        stall = max(float(m.get("stall_seconds", m.get("seconds", 0.0))) for m in ours)
+        persist = max(float(m.get("persist_seconds", m.get("seconds", 0.0))) for m in ours)
         nbytes = md.total_bytes if md is not None else None
         record = {
             "event": "checkpoint",
@@ -126,7 +133,10 @@ class RayDCPCallback(UserCallback):
             "world_size": md.world_size if md is not None else None,
             "bytes": nbytes,
             "files": len(md.files) if md is not None else None,
+            "mode": ours[0].get("mode", "sync"),
             "seconds": seconds,
+            "stall_seconds": stall,
+            "persist_seconds": persist,
             "throughput_mb_s": (nbytes / seconds / 1e6) if nbytes and seconds > 0 else None,
             "committed": md is not None,
             "complete": not problems,

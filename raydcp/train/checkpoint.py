@@ -33,6 +33,7 @@ from typing import Any
 import ray.train
 
 from .. import engine
+from ..engine.background import SaveFuture
 from ..errors import CheckpointError
 from ..group import Group
 from ..metadata import Metadata
@@ -103,7 +104,7 @@ def _group(ctx, name: str, timeout_s: float) -> Group:
 
 def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
          storage_options: dict | None = None, timeout_s: float = 600.0, wait_registered: bool = False,
-         _emergency: dict | None = None) -> Metadata:
+         async_save: bool = False, _emergency: dict | None = None) -> Metadata | SaveFuture:
     """Save this rank's part of ``state_dict`` as one checkpoint of the run, and report it.
 
     Every worker calls it at the same point (it is a collective, like
@@ -119,6 +120,17 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     workers; a worker that dies before that loses it, as with any Ray Train
     checkpoint. ``wait_registered=True`` returns only after that point (emergency
     saves do), at the cost of up to one poll interval.
+
+    ``async_save=True`` stalls training only while the state is staged (copied
+    to the object store); a persister actor beside each rank writes it and the
+    group commits it in the background (see :func:`raydcp.async_save`), and the
+    call returns a :class:`raydcp.SaveFuture` at once. The report is made with
+    ``checkpoint_upload_mode=ASYNC``: Ray Train registers the checkpoint only
+    after it has committed, in the order of the saves, and a persist that fails
+    fails the run (on the next report or at the end of the training function),
+    as Ray Train's own asynchronous uploads do. A later save waits for the
+    previous one to commit first. ``metrics["raydcp"]`` then carries
+    ``stall_seconds`` (staging) and ``persist_seconds`` (call to commit).
     """
     ctx = _context("save")
     state = _as_state_dict(state_dict)
@@ -137,21 +149,45 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     url, options = fsspec_location(storage.storage_filesystem, fs_path, storage_options)
 
     t0 = time.perf_counter()
-    md = engine.save(state, url, group=group, storage_options=options)
-    seconds = time.perf_counter() - t0
+    if async_save:
+        future = engine.async_save(state, url, group=group, storage_options=options)
+        stall = time.perf_counter() - t0
+    else:
+        md = engine.save(state, url, group=group, storage_options=options)
+        stall = time.perf_counter() - t0
 
     reported = dict(metrics or {})
-    reported[METRICS_KEY] = {"step": step, "seconds": seconds, "bytes": md.total_bytes, "world_size": world,
-                             "save_id": md.save_id, "checkpoint": name}
+    ours = reported[METRICS_KEY] = {"step": step, "world_size": world, "checkpoint": name,
+                                    "mode": "async" if async_save else "sync", "stall_seconds": stall}
     if _emergency is not None:
-        reported[METRICS_KEY]["emergency"] = dict(_emergency)
+        ours["emergency"] = dict(_emergency)
     from ray.train import Checkpoint, CheckpointUploadMode
 
-    ray.train.report(reported, checkpoint=Checkpoint(path=fs_path, filesystem=storage.storage_filesystem),
-                     checkpoint_dir_name=name, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    checkpoint = Checkpoint(path=fs_path, filesystem=storage.storage_filesystem)
+    if async_save:
+        def wait_committed(ckpt, _dir_name):
+            # Ray Train's upload thread: registers the checkpoint only once the group has committed it.
+            # The report's metrics are this dict, so the numbers filled in here travel with it.
+            done = future.result()
+            ours.update(_save_numbers(done, time.perf_counter() - t0, persist=time.perf_counter() - t0 - stall))
+            return ckpt
+
+        ray.train.report(reported, checkpoint=checkpoint, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=False, checkpoint_upload_fn=wait_committed)
+    else:
+        ours.update(_save_numbers(md, stall, persist=stall))
+        ray.train.report(reported, checkpoint=checkpoint, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
     if wait_registered:  # every rank waits, so none can move on (and die) before the controller has it
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-    return md
+    return future if async_save else md
+
+
+def _save_numbers(md: Metadata, seconds: float, persist: float) -> dict:
+    """What metrics["raydcp"] says of a committed save: seconds from the call to the commit, and
+    the persist (the whole save when synchronous; from the call's return to the commit when not)."""
+    return {"seconds": seconds, "persist_seconds": persist, "bytes": md.total_bytes, "save_id": md.save_id}
 
 
 def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | None = None,

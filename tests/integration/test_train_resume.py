@@ -104,6 +104,7 @@ def test_fresh_run_checkpoints_into_run_storage_and_honours_num_to_keep(train_ru
         assert r["committed"] and r["complete"] and not r["problems"]
         assert r["world_size"] == 2 and r["bytes"] == md.total_bytes and r["files"] >= 1
         assert r["seconds"] > 0 and r["throughput_mb_s"] > 0 and r["emergency"] is None
+        assert r["mode"] == "sync" and r["stall_seconds"] == r["persist_seconds"] == r["seconds"]
 
 
 def test_same_run_restarted_on_more_workers_matches_the_uninterrupted_run(train_runs):
@@ -158,3 +159,33 @@ def test_preemption_then_a_rank_dying_mid_save_resumes_bitwise_from_the_last_goo
     assert m["draws"] == ref.metrics["draws"]  # every rank's torch/python/numpy streams continued exactly
     _assert_same_state(train_runs.example.load_full(ref.checkpoint.path),
                        train_runs.example.load_full(result.checkpoint.path))
+
+
+def test_async_saves_register_only_committed_snapshots_and_resume_bitwise(train_runs):
+    """async_save=True: 3 steps (the step-3 save persists while the training function ends), then
+    the same run restarted on 2 workers resumes from it and checkpoints asynchronously again."""
+    config = {**train_runs.base, "async_save": True}
+    first = train_runs("async", {**config, "stop_at": 3}, key="async-first-part", num_to_keep=None)
+    # Ray Train waited for the persist when the training function returned, then registered it
+    assert first.checkpoint is not None and first.metrics["raydcp"]["mode"] == "async"
+    assert raydcp.read_metadata(first.checkpoint.path).values["train.progress.step"] == 3
+    result = train_runs("async", config, num_to_keep=None)
+    m = result.metrics
+    assert (m["step"], m["world_size"], m["resumed"], m["start_step"], m["rng"]) == (6, 2, True, 3, "exact")
+
+    ref = train_runs.reference()
+    assert m["loss"] == ref.metrics["loss"] and m["lr"] == ref.metrics["lr"]
+    _assert_same_state(train_runs.example.load_full(ref.checkpoint.path),
+                       train_runs.example.load_full(result.checkpoint.path))
+
+    recs = [r for r in _records(train_runs.storage, "async") if r["event"] == "checkpoint"]
+    assert [r["step"] for r in recs] == [3, 6]
+    for r in recs:
+        assert r["mode"] == "async" and r["committed"] and r["complete"] and not r["problems"]
+        assert 0 < r["stall_seconds"] <= r["seconds"] and r["persist_seconds"] > 0
+        assert r["persist_seconds"] <= r["seconds"]
+    # every directory is a registered, committed checkpoint; each holds the step it was saved at
+    dirs = _run_dirs(train_runs.storage, "async")
+    assert dirs == sorted(r["checkpoint"] for r in recs)
+    for r, d in zip(recs, dirs):
+        assert raydcp.read_metadata(str(Path(train_runs.storage, "async", d))).values["train.progress.step"] == r["step"]
