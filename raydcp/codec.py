@@ -8,9 +8,10 @@ bit-exactly. Plain values are encoded as tagged JSON.
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import crc32c as _crc32c
 import numpy as np
@@ -20,7 +21,8 @@ from .errors import CheckpointError
 
 __all__ = [
     "DTYPES", "dtype_name", "dtype_from_name", "tensor_bytes", "tensor_from_bytes",
-    "checksum", "block_checksums", "encode_value", "decode_value", "is_plain_value",
+    "checksum", "block_checksums", "checksums", "crc32c_combine", "combine_block_checksums",
+    "encode_value", "decode_value", "is_plain_value",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -92,6 +94,83 @@ def block_checksums(data: Any, block: int) -> tuple[int, ...]:
     if len(view) <= block:
         return ()
     return tuple(_crc32c.crc32c(view[i:i + block]) for i in range(0, len(view), block))
+
+
+def checksums(data: Any, block: int) -> tuple[int, tuple[int, ...]]:
+    """``(checksum(data), block_checksums(data, block))`` in one pass over the bytes.
+
+    The block CRCs are computed first and the whole buffer's CRC is combined from them
+    (:func:`combine_block_checksums`), so each byte is read once.
+    """
+    blocks = block_checksums(data, block)
+    if not blocks:
+        return checksum(data), ()
+    n = data.numel() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+    return combine_block_checksums(blocks, n, block), blocks
+
+
+# ---- CRC combination -------------------------------------------------------------------------
+# CRC32C is linear over GF(2): crc(A || B) = crc(A) * x^(8 |B|) mod P  xor  crc(B), with the
+# pre- and post-inversion of the standard CRC cancelling out (the method of zlib's crc32_combine).
+# Polynomials are kept bit-reflected, as the CRC itself is.
+
+_POLY = 0x82F63B78  # Castagnoli, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b mod P (reflected: bit 31 is x^0)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table  # table[k] = x^(2^k) mod P
+
+
+_X2N = _x2n_table()
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_operator(nbytes: int) -> int:
+    """x^(8 * nbytes) mod P: multiplying a CRC by it appends ``nbytes`` bytes' worth of zeros."""
+    p, k, n = 1 << 31, 3, nbytes  # 1 = x^0; 8 * nbytes = nbytes << 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of ``A + B`` from ``crc1`` of A, ``crc2`` of B and B's length."""
+    if len2 <= 0:
+        return crc1
+    return _multmodp(_shift_operator(len2), crc1) ^ crc2
+
+
+def combine_block_checksums(blocks: Sequence[int], nbytes: int, block: int) -> int:
+    """The CRC32C of a whole buffer of ``nbytes`` from the CRCs of its ``block``-byte blocks (the last shorter)."""
+    if not blocks:
+        return _crc32c.crc32c(b"")
+    last = nbytes - (len(blocks) - 1) * block
+    if not 0 < last <= block:
+        raise ValueError(f"{len(blocks)} blocks of {block} bytes do not make {nbytes} bytes")
+    op = _shift_operator(block)
+    crc = blocks[0]
+    for b in blocks[1:-1]:
+        crc = _multmodp(op, crc) ^ b
+    return crc if len(blocks) == 1 else crc32c_combine(crc, blocks[-1], last)
 
 
 # ---- plain values: tagged JSON, never pickle -------------------------------------------------

@@ -64,3 +64,27 @@ def test_special_floats_round_trip():
 def test_not_plain():
     assert not is_plain_value(object())
     assert not is_plain_value([1, {2}])
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 1023, 1024, 1025, 4096, 5 * 1024 + 17])
+def test_checksums_in_one_pass_equal_the_two_passes(n):
+    from raydcp.codec import block_checksums, checksums
+
+    data = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).numpy())
+    assert checksums(data, 1024) == (checksum(data), block_checksums(data, 1024))
+
+
+def test_crc32c_combine_of_random_pieces():
+    import random
+
+    from raydcp.codec import combine_block_checksums, crc32c_combine
+
+    rng = random.Random(3)
+    for _ in range(50):
+        a, b = rng.randbytes(rng.randrange(0, 2000)), rng.randbytes(rng.randrange(0, 2000))
+        assert crc32c_combine(checksum(a), checksum(b), len(b)) == checksum(a + b)
+    data = rng.randbytes(10 * 1000 + 1)
+    blocks = [checksum(data[i:i + 1000]) for i in range(0, len(data), 1000)]
+    assert combine_block_checksums(blocks, len(data), 1000) == checksum(data)
+    with pytest.raises(ValueError):
+        combine_block_checksums(blocks, len(data) + 1000, 1000)
