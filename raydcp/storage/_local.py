@@ -9,19 +9,25 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from typing import Sequence
+from typing import Iterable
 
 _HAS_PREADV = hasattr(os, "preadv")
 
 
-def write_durably(path: str, views: Sequence[memoryview]) -> None:
-    """Write ``views`` one after another to ``path`` (creating its directory), then fsync."""
+def write_durably(path: str, views: Iterable[memoryview]) -> int:
+    """Write ``views`` one after another to ``path`` (creating its directory), then fsync.
+
+    ``views`` is consumed lazily, one buffer at a time. Returns the bytes written.
+    """
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    written = 0
     with open(path, "wb") as f:
         for view in views:
             f.write(view)
+            written += view.nbytes
         f.flush()
         os.fsync(f.fileno())
+    return written
 
 
 def publish_atomically(path: str, data: memoryview) -> None:

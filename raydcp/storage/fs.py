@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -55,6 +56,8 @@ class CheckpointStorage:
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._needs_mkdir = not self._local and not _FLAT_PROTOCOLS.intersection(protocols)
         self._made_dirs: set[str] = set()
+        self._fds: dict[str, tuple[int, int]] = {}  # local data files kept open by read_into
+        self._fds_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.url!r})"
@@ -78,29 +81,35 @@ class CheckpointStorage:
 
     # ----------------------------------------------------------------- writes
 
-    def write_file(self, name: str, buffers: Sequence[Any]) -> int:
+    def write_file(self, name: str, buffers: Iterable[Any]) -> int:
         """Write the concatenation of ``buffers`` to ``name``, durably; return the bytes written.
 
-        Buffers are written one after another (never joined into one copy). Local files are
-        flushed and fsynced, so the data is durable before the metadata commits.
+        Buffers are written one after another (never joined into one copy). ``buffers`` may be
+        any iterable, a generator for instance: it is consumed in the writing thread, buffer by
+        buffer, so a producer can pack or checksum each buffer just before it is written (and
+        overlap that work with the writes of other files). Local files are flushed and fsynced,
+        so the data is durable before the metadata commits.
         """
         path = self._full(name)
         with contextlib.suppress(TypeError):
             memoryview(buffers)  # a single buffer rather than a sequence of them
             buffers = [buffers]
-        views = [byte_view(b) for b in buffers]
+        views = (byte_view(b) for b in buffers)
         with translating("write", self.file_url(name)):
             if self._local:
-                _local.write_durably(path, views)
-            else:
-                self._ensure_dir(path.rsplit("/", 1)[0])
-                with self.fs.open(path, "wb") as f:
-                    for view in views:
-                        f.write(view)
-        return sum(v.nbytes for v in views)
+                return _local.write_durably(path, views)
+            self._ensure_dir(path.rsplit("/", 1)[0])
+            written = 0
+            with self.fs.open(path, "wb") as f:
+                for view in views:
+                    f.write(view)
+                    written += view.nbytes
+            return written
 
-    def write_files(self, files: Mapping[str, Sequence[Any]], max_workers: int = 8) -> dict[str, int]:
+    def write_files(self, files: Mapping[str, Iterable[Any]], max_workers: int = 8) -> dict[str, int]:
         """Write several files in parallel (threads: file and network I/O release the GIL).
+
+        Each file's buffers are consumed in its writing thread, as in :meth:`write_file`.
 
         Returns ``{name: bytes written}``. If any write fails, the others still finish and one
         CheckpointError lists every failed file.
@@ -198,45 +207,81 @@ class CheckpointStorage:
         """Fill the writable buffer ``out`` (n bytes) with bytes ``[start, start + n)`` of ``name``.
 
         Local files are read straight into ``out`` (no intermediate copy), e.g. a tensor's memory.
+        Safe to call from several threads at once.
+        """
+        self.read_into_many(name, ((start, out),))
+
+    def read_into_many(self, name: str, requests: Iterable[tuple[int, Any]]) -> int:
+        """For each ``(start, out)`` of ``requests``, fill the writable buffer ``out`` with the
+        bytes of ``name`` from ``start`` on; return the bytes read.
+
+        The batched form of :meth:`read_into` for many small pieces of one file: a local file is
+        opened once (and kept open, as by :meth:`read_into`) and each request is one positional
+        read, straight into ``out``; other filesystems fetch every range in one ``cat_ranges``.
+        Safe to call from several threads at once.
         """
         path = self._full(name)
-        view = byte_view(out, writable=True)
-        if not isinstance(start, int) or start < 0:
-            raise CheckpointError(f"read_into {self.file_url(name)}: start must be an integer >= 0, got {start!r}")
-        end = start + len(view)
-        if end == start:
-            return
+        todo: list[tuple[int, memoryview]] = []
+        end = 0
+        for start, out in requests:
+            view = byte_view(out, writable=True)
+            if not isinstance(start, int) or start < 0:
+                raise CheckpointError(
+                    f"read_into {self.file_url(name)}: start must be an integer >= 0, got {start!r}")
+            if len(view):
+                todo.append((start, view))
+                end = max(end, start + len(view))
+        if not todo:
+            return 0
         if self._local:
             with translating("read", self.file_url(name)):
                 fd, size = self._reader_fd(name, path)
-                if size < end or pread_into(fd, view, start) < len(view):
+                if size < end:
                     raise truncated_file_error(self.file_url(name), os.fstat(fd).st_size, end, self.url)
-            return
+                nread = 0
+                for start, view in todo:
+                    n = pread_into(fd, view, start)
+                    if n < len(view):
+                        raise truncated_file_error(self.file_url(name), os.fstat(fd).st_size, start + len(view),
+                                                   self.url)
+                    nread += n
+                return nread
+        starts = [s for s, _ in todo]
+        ends = [s + len(v) for s, v in todo]
         try:
-            data = self.fs.cat_file(path, start=start, end=end)
+            datas = self.fs.cat_ranges([path] * len(todo), starts, ends, on_error="return")
         except Exception as exc:
             raise self._read_failure(name, path, end, exc) from exc
-        if len(data) != len(view):
-            raise self._read_failure(name, path, end, None)
-        view[:] = data
+        for (start, view), data in zip(todo, datas):
+            if isinstance(data, BaseException) or len(data) != len(view):
+                cause = data if isinstance(data, BaseException) else None
+                raise self._read_failure(name, path, start + len(view), cause) from cause
+            view[:] = data
+        return sum(len(v) for _, v in todo)
 
     def _reader_fd(self, name: str, path: str) -> tuple[int, int]:
-        """An open descriptor (and the size) of a local data file, kept for the next read_into."""
-        fds = self.__dict__.setdefault("_fds", {})
-        if name not in fds:
-            fd = self._open_local(name, path)
-            fds[name] = (fd, os.fstat(fd).st_size)
-        return fds[name]
+        """An open descriptor (and the size) of a local data file, kept for the next read."""
+        fds = self._fds
+        got = fds.get(name)
+        if got is None:
+            with self._fds_lock:
+                got = fds.get(name)
+                if got is None:
+                    fd = self._open_local(name, path)
+                    got = fds[name] = (fd, os.fstat(fd).st_size)
+        return got
 
     def close(self) -> None:
         """Close the descriptors :meth:`read_into` kept open (the object stays usable)."""
-        for fd, _ in self.__dict__.pop("_fds", {}).values():
+        with self._fds_lock:
+            fds, self._fds = self._fds, {}
+        for fd, _ in fds.values():
             os.close(fd)
 
     def __del__(self):
         try:
             self.close()
-        except Exception:  # interpreter shutdown
+        except Exception:  # interpreter shutdown, or a half-built object
             pass
 
     def read_file(self, name: str) -> bytes:

@@ -208,3 +208,29 @@ def test_url_round_trips(storage):
 def test_invalid_names_are_refused(storage, name):
     with pytest.raises(CheckpointError, match="invalid file name"):
         storage.write_file(name, [b"x"])
+
+
+def test_write_file_consumes_a_generator_lazily(storage):
+    produced = []
+
+    def gen():
+        for i in range(3):
+            produced.append(i)
+            yield bytes([i]) * (i + 1)
+
+    assert storage.write_file(NAME, gen()) == 6
+    assert produced == [0, 1, 2]
+    assert storage.read_file(NAME) == b"\x00\x01\x01\x02\x02\x02"
+
+
+def test_read_into_many_fills_each_buffer(storage):
+    data = payload(5000, seed=4)
+    storage.write_file(NAME, [data])
+    outs = [bytearray(10), bytearray(0), np.zeros(300, np.uint8), bytearray(1)]
+    starts = [0, 17, 4000, 4999]
+    assert storage.read_into_many(NAME, list(zip(starts, [memoryview(o) for o in outs]))) == 311
+    assert bytes(outs[0]) == data[:10] and bytes(outs[2]) == data[4000:4300] and bytes(outs[3]) == data[4999:]
+    with pytest.raises(CheckpointError, match="truncated"):
+        storage.read_into_many(NAME, [(0, memoryview(bytearray(10))), (4995, memoryview(bytearray(10)))])
+    with pytest.raises(CheckpointError, match="read-only"):
+        storage.read_into_many(NAME, [(0, memoryview(b"xx"))])
