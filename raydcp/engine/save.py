@@ -1,13 +1,16 @@
 """Collective save: flatten -> local plan -> global plan -> parallel writes -> commit last."""
 from __future__ import annotations
 
+import ctypes
 import time
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
+import crc32c
+import numpy as np
 import torch
 
-from ..codec import block_checksums, checksum
+from ..codec import checksum, combine_block_checksums
 from ..errors import CheckpointError, RankFailure
 from ..metadata import BLOCK_BYTES, ChunkMeta, Metadata, TensorMeta, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
@@ -19,14 +22,41 @@ from ..transport import Transport
 __all__ = ["save_with", "local_save_plan", "StagedState"]
 
 _ZEROS = bytes(ALIGN)
+PACK_MAX = 64 << 10      # host pieces up to this size are copied into shared write buffers ...
+PACK_BYTES = 4 << 20     # ... of up to this size: one write and no per-piece buffer for many small pieces
+WRITE_BYTES = 4 * BLOCK_BYTES  # a large piece is checksummed and written this many bytes at a time
+assert WRITE_BYTES % BLOCK_BYTES == 0
 
 
 class StagedState:
-    """A rank's local plan and one flat uint8 view per piece (on the piece's device until staged)."""
+    """A rank's local plan and the data of its pieces, one per plan item.
 
-    def __init__(self, plan: LocalSavePlan, data: list[torch.Tensor]):
+    ``data`` is one flat uint8 view per piece (on the piece's device until staged). A
+    synchronous save writes straight from the pieces' tensors, so the views are made only
+    when something asks for ``data`` (staging for an asynchronous save does).
+    """
+
+    def __init__(self, plan: LocalSavePlan, data: list[torch.Tensor] | None = None, *,
+                 tensors: list[torch.Tensor] | None = None):
+        if data is None and tensors is None:
+            raise ValueError("StagedState needs data or tensors")
         self.plan = plan
-        self.data = data
+        self._data = data
+        self._tensors = tensors
+
+    @property
+    def data(self) -> list[torch.Tensor]:
+        if self._data is None:
+            self._data = [_byte_view(t) for t in self._tensors]
+        return self._data
+
+    @data.setter
+    def data(self, value: list[torch.Tensor]) -> None:
+        self._data = value
+
+    def sources(self) -> list[torch.Tensor]:
+        """Per item, a tensor holding exactly the piece's bytes (any dtype, maybe not contiguous)."""
+        return self._data if self._data is not None else self._tensors
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -35,15 +65,16 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def local_save_plan(rank: int, flat: FlatState, *, compare_replicas: bool) -> StagedState:
     """Describe what this rank holds. Replicas get a checksum where that is cheap (host tensors)."""
-    tensors, items, data = {}, [], []
-    for fqn in sorted(flat.tensors):
-        leaf = flat.tensors[fqn]
+    tensors, items, sources = {}, [], []
+    leaves = flat.tensors
+    for fqn in sorted(leaves):
+        leaf = leaves[fqn]
+        t = leaf.tensor
         tensors[fqn] = TensorSpec(leaf.dtype, leaf.global_shape)
-        raw = _byte_view(leaf.tensor)
-        crc = checksum(raw) if compare_replicas and leaf.replicable and raw.device.type == "cpu" else None
-        items.append(WriteItem(fqn, leaf.offsets, tuple(leaf.tensor.shape), raw.numel(), crc))
-        data.append(raw)
-    return StagedState(LocalSavePlan(rank, tensors, tuple(items), dict(flat.values)), data)
+        crc = checksum(_byte_view(t)) if compare_replicas and leaf.replicable and t.is_cpu else None
+        items.append(WriteItem(fqn, leaf.offsets, tuple(t.shape), t.nbytes, crc))
+        sources.append(t)
+    return StagedState(LocalSavePlan(rank, tensors, tuple(items), dict(flat.values)), tensors=sources)
 
 
 def _reduce_save_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan]) -> list:
@@ -52,26 +83,86 @@ def _reduce_save_plan(options: SavePlanOptions, local_plans: Sequence[LocalSaveP
     return [(gp.ranks[r], header if r == 0 else None) for r in range(gp.world_size)]
 
 
+def _packable(t: torch.Tensor) -> bool:
+    """Whether a piece's bytes can be copied straight from its memory (host, dense, no lazy conj/neg)."""
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _file_buffers(slots, items, sources, sums: list) -> Iterator[Any]:
+    """The buffers of one data file, in order; runs in the file's writing thread.
+
+    Every piece is checksummed here, just before it is written, and its ``(crc, block crcs)``
+    stored in ``sums[item]``: small host pieces are copied into shared buffers of up to
+    PACK_BYTES (their checksums computed there), large ones are written from their own memory
+    WRITE_BYTES at a time, each 1 MiB block checksummed just before it is written and the
+    piece's checksum combined from its blocks, so every byte is read once, while it is in cache.
+    """
+    crc = crc32c.crc32c
+    memmove = ctypes.memmove
+    pos, i, n = 0, 0, len(slots)
+    while i < n:
+        slot = slots[i]
+        nbytes = items[slot.item].nbytes
+        src = sources[slot.item]
+        if nbytes <= PACK_MAX and _packable(src):
+            run = [(slot, nbytes, src)]
+            end = slot.byte_offset + nbytes
+            i += 1
+            while i < n:
+                nxt = slots[i]
+                nb = items[nxt.item].nbytes
+                if nb > PACK_MAX or nxt.byte_offset + nb - pos > PACK_BYTES:
+                    break
+                s2 = sources[nxt.item]
+                if not _packable(s2):
+                    break
+                run.append((nxt, nb, s2))
+                end = nxt.byte_offset + nb
+                i += 1
+            arr = np.zeros(end - pos, dtype=np.uint8)  # zero: the alignment gaps are zero bytes
+            view = memoryview(arr)
+            base = arr.ctypes.data - pos
+            for sl, nb, t in run:
+                off = sl.byte_offset
+                memmove(base + off, t.data_ptr(), nb)
+                sums[sl.item] = (crc(view[off - pos:off - pos + nb]), ())
+            yield arr
+            pos = end
+            continue
+        i += 1
+        if slot.byte_offset > pos:
+            yield _ZEROS[: slot.byte_offset - pos]
+        raw = _byte_view(src)
+        view = memoryview((raw if raw.is_cpu else raw.cpu()).numpy())
+        if nbytes <= BLOCK_BYTES:
+            sums[slot.item] = (crc(view), ())
+            yield view
+        else:
+            blocks: list[int] = []
+            for s in range(0, nbytes, WRITE_BYTES):
+                e = min(s + WRITE_BYTES, nbytes)
+                blocks.extend(crc(view[b:min(b + BLOCK_BYTES, e)]) for b in range(s, e, BLOCK_BYTES))
+                yield view[s:e]
+            sums[slot.item] = (combine_block_checksums(blocks, nbytes, BLOCK_BYTES), tuple(blocks))
+        pos = slot.byte_offset + nbytes
+
+
 def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState) -> list[tuple]:
-    """Write this rank's files (in parallel) and return one storage record per piece."""
-    files: dict[str, list[Any]] = {}
+    """Write this rank's files (in parallel) and return one storage record per piece.
+
+    Each file's pieces are checksummed in its writing thread as they are written
+    (:func:`_file_buffers`), overlapped with the writes of the other files.
+    """
+    items = staged.plan.items
+    sources = staged.sources()
+    sums: list[Any] = [None] * len(items)
+    storage.write_files({name: _file_buffers(slots, items, sources, sums) for name, slots in plan.files})
     records = []
     for name, slots in plan.files:
-        bufs: list[Any] = []
-        pos = 0
         for slot in slots:
-            if slot.byte_offset > pos:
-                bufs.append(_ZEROS[: slot.byte_offset - pos])
-            raw = staged.data[slot.item]
-            item = staged.plan.items[slot.item]
-            buf = (raw if raw.device.type == "cpu" else raw.cpu()).numpy()
-            bufs.append(buf)
-            crc = item.checksum if item.checksum is not None else checksum(buf)
-            blocks = block_checksums(buf, BLOCK_BYTES)
+            item = items[slot.item]
+            crc, blocks = sums[slot.item]
             records.append((item.key, item.offsets, item.sizes, name, slot.byte_offset, item.nbytes, crc, blocks))
-            pos = slot.byte_offset + item.nbytes
-        files[name] = bufs
-    storage.write_files(files)
     return records
 
 
@@ -86,8 +177,7 @@ def _reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Seq
         save_id=save_id,
         world_size=world_size,
         created_at=time.time(),
-        tensors={k: TensorMeta(s.dtype, s.shape, tuple(sorted(chunks[k], key=lambda c: c.offsets)))
-                 for k, s in tensors.items()},
+        tensors={k: TensorMeta(s.dtype, s.shape, _by_offsets(chunks[k])) for k, s in tensors.items()},
         values=plain,
     )
     storage = CheckpointStorage(checkpoint_id, storage_options)
@@ -97,6 +187,10 @@ def _reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Seq
     if stale:
         storage.remove_files(stale)
     return [md] * len(values)
+
+
+def _by_offsets(chunks: list[ChunkMeta]) -> tuple[ChunkMeta, ...]:
+    return tuple(chunks) if len(chunks) < 2 else tuple(sorted(chunks, key=lambda c: c.offsets))
 
 
 def save_with(
