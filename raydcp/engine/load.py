@@ -71,8 +71,7 @@ def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: 
     failure: Any = None
     nread = 0
     try:
-        for cr in plan.reads:
-            nread += reader.read(cr, out)
+        nread = reader.read_all(plan.reads, out)
     except Exception as exc:  # still take part in the exchange, so no rank waits forever
         failure = RankFailure.from_exception(rank, exc)
     incoming = transport.exchange("load: exchange", out.outgoing)

@@ -1,0 +1,113 @@
+"""Checksums computed while writing, and verified while reading: equal to the two-pass reference,
+and any damage found whichever read path a chunk takes (batched small chunks, pooled large ones)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import raydcp
+from raydcp import CheckpointError
+from raydcp.codec import block_checksums, checksum
+from raydcp.engine import reads
+from raydcp.metadata import BLOCK_BYTES
+
+MIB = 1 << 20
+
+
+def odd_state():
+    g = torch.Generator().manual_seed(5)
+    sd = {f"small.{i}": torch.randn(i + 1, generator=g) for i in range(40)}  # packed into shared buffers
+    for name, n in [("one_block", MIB), ("block_plus_one", MIB + 1), ("three_and_a_bit", 3 * MIB + 5),
+                    ("past_a_write", 5 * MIB + 13), ("mid", 100_000)]:
+        sd[name] = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    sd["bf16"] = torch.randn(333, 7, generator=g).to(torch.bfloat16)
+    sd["transposed"] = torch.randn(64, 48, generator=g).t()  # not contiguous: written through a copy
+    sd["grad"] = torch.nn.Parameter(torch.randn(17, generator=g))
+    return sd
+
+
+def test_checksums_written_equal_the_reference_on_odd_sizes(tmp_path):
+    sd = odd_state()
+    md = raydcp.save(sd, tmp_path / "ck")
+    for key, tm in md.tensors.items():
+        (c,) = tm.chunks
+        with open(tmp_path / "ck" / c.file, "rb") as f:
+            f.seek(c.byte_offset)
+            data = f.read(c.nbytes)
+        expected = sd[key].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert data == expected, key
+        assert c.checksum == checksum(data), key
+        assert c.block_checksums == block_checksums(data, BLOCK_BYTES), key
+    for name in {c.file for tm in md.tensors.values() for c in tm.chunks}:  # alignment gaps are zero
+        with open(tmp_path / "ck" / name, "rb") as f:
+            raw = f.read()
+        used = bytearray(len(raw))
+        for tm in md.tensors.values():
+            for c in tm.chunks:
+                if c.file == name:
+                    used[c.byte_offset:c.byte_offset + c.nbytes] = b"\x01" * c.nbytes
+        assert all(b == 0 for b, u in zip(raw, used) if not u)
+
+
+def test_round_trip_through_every_read_path(tmp_path):
+    sd = odd_state()
+    raydcp.save(sd, tmp_path / "ck")
+    dest = {k: torch.full_like(v.detach(), 0) for k, v in sd.items()}
+    dest["grad"] = torch.nn.Parameter(torch.zeros(17))  # read straight into a parameter's memory
+    dest["transposed"] = torch.zeros(64, 48).t()  # not contiguous: read, then copied in
+    stats = raydcp.load(dest, tmp_path / "ck")
+    assert stats.bytes_read == stats.bytes_needed
+    for k, v in sd.items():
+        assert torch.equal(dest[k].detach().view(torch.uint8) if v.dtype == torch.bfloat16 else dest[k].detach(),
+                           v.detach().view(torch.uint8) if v.dtype == torch.bfloat16 else v.detach()), k
+
+
+def flip(path, pos):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", [0, 2 * MIB + 7, 5 * MIB + 12])  # first block, a middle one, the short last
+def test_damage_in_any_block_of_a_large_chunk_is_found(tmp_path, where, monkeypatch):
+    monkeypatch.setattr(reads, "TASK_BYTES", 2 * BLOCK_BYTES)  # several tasks per chunk
+    t = torch.randint(0, 256, (5 * MIB + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    md = raydcp.save({"big": t, "other": torch.ones(3 * MIB, dtype=torch.uint8)}, tmp_path / "ck")
+    (c,) = md.tensors["big"].chunks
+    flip(tmp_path / "ck" / c.file, c.byte_offset + where)
+    lo = where // BLOCK_BYTES * BLOCK_BYTES
+    hi = min(lo + BLOCK_BYTES, c.nbytes)
+    with pytest.raises(CheckpointError, match=rf"big: checksum mismatch in .* at bytes "
+                                              rf"{c.byte_offset + lo}\.\.{c.byte_offset + hi}"):
+        raydcp.load({"big": torch.zeros_like(t), "other": torch.zeros(3 * MIB, dtype=torch.uint8)}, tmp_path / "ck")
+
+
+def test_damage_to_one_of_many_small_chunks_names_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(reads, "BATCH_BYTES", 4096)  # several batches
+    sd = {f"p{i:03d}": torch.full((100 + i,), float(i)) for i in range(300)}
+    md = raydcp.save(sd, tmp_path / "ck")
+    c = md.tensors["p217"].chunks[0]
+    flip(tmp_path / "ck" / c.file, c.byte_offset + c.nbytes - 1)
+    with pytest.raises(CheckpointError, match=r"p217: checksum mismatch"):
+        raydcp.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")
+    with open(tmp_path / "ck" / c.file, "r+b") as f:  # cut the file in the middle of p217
+        f.truncate(c.byte_offset + 10)
+    with pytest.raises(CheckpointError, match=r"p217: .*truncated"):
+        raydcp.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")
+
+
+def test_a_partial_read_of_a_large_chunk_checks_only_the_blocks_it_reads(tmp_path):
+    t = torch.arange(6 * MIB, dtype=torch.uint8).reshape(6, MIB)
+    md = raydcp.save({"t": t}, tmp_path / "ck")
+    (c,) = md.tensors["t"].chunks
+    flip(tmp_path / "ck" / c.file, c.byte_offset + 4 * MIB + 3)  # row 4
+    part = {"t": raydcp.Shard(torch.zeros(3, MIB, dtype=torch.uint8), (1, 0), (6, MIB))}
+    raydcp.load(part, tmp_path / "ck", strict=False)  # rows 1-3: intact
+    assert torch.equal(part["t"].tensor, t[1:4])
+    part = {"t": raydcp.Shard(torch.zeros(2, MIB, dtype=torch.uint8), (3, 0), (6, MIB))}
+    with pytest.raises(CheckpointError, match=rf"t: checksum mismatch .* at bytes {c.byte_offset + 4 * MIB}\."):
+        raydcp.load(part, tmp_path / "ck", strict=False)
