@@ -61,6 +61,19 @@ class Group:
 
         return RayTransport(self, self.next_operation())
 
+    def prepare(self) -> None:
+        """Start the group's coordinator in the background (returns at once; optional).
+
+        The first operation of a group otherwise pays for starting it (a Ray
+        actor, and the imports its reductions need); a rank that calls this at
+        start-up, e.g. before its first training step, moves that cost off the
+        first checkpoint. One rank is enough; every rank may call it.
+        """
+        if self.world_size > 1:
+            from .runtime.actors import prepare_coordinator
+
+            prepare_coordinator(self.name, self.world_size, self.rank)
+
     def open_async_persister(self):
         """This rank's background persister for async_save (imports the Ray runtime lazily)."""
         from .runtime.persister import persister_for_this_process

@@ -106,6 +106,12 @@ class CoordinatorHost:
             return {"group": self.group_name, "op": op, "failed": self.failed[op][0], "ended": True}
         return None
 
+    def warm(self) -> bool:
+        """Import what unpickling the ranks' reduction functions needs (the engine, torch)."""
+        import raydcp.engine  # noqa: F401
+
+        return True
+
     def drop(self, op: int, coord: Coordinator) -> None:
         if self.ops.get(op) is coord:
             del self.ops[op]
@@ -135,6 +141,11 @@ def get_or_create_coordinator(group_name: str, world_size: int, rank: int):
         ).remote(group_name, rank)
         _HOSTS[group_name] = handle
     return handle
+
+
+def prepare_coordinator(group_name: str, world_size: int, rank: int) -> None:
+    """Start the group's coordinator host and its imports now, without waiting for either."""
+    get_or_create_coordinator(group_name, world_size, rank).warm.remote()
 
 
 def end_group(group_name: str) -> None:

@@ -213,6 +213,8 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
 
     group_name = broadcast_from_rank_zero(  # also waits for the cleanup
         _proposed_group_name(ctx, timeout_s) if rank == 0 else None)
+    group = _group(ctx, group_name, timeout_s)
+    group.prepare()  # the first save (or this load) then finds the coordinator running
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return False
@@ -220,7 +222,7 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     md = engine.read_metadata(url, storage_options=options)
     for prefix, ts in _train_states(state):
         ts.prepare_restore(md, prefix)
-    engine.load(state, url, group=_group(ctx, group_name, timeout_s), strict=strict, storage_options=options)
+    engine.load(state, url, group=group, strict=strict, storage_options=options)
     return True
 
 

@@ -268,3 +268,31 @@ def test_driver_ranks_in_threads(ray_session):
     assert [res[0] for res in results] == [3, 4, 5]
     for _, err in results:
         assert isinstance(err, CheckpointError) and "rank 1" in str(err) and "could not send" in str(err)
+
+
+def test_prepare_starts_the_host_that_the_first_operation_then_uses(ray_session):
+    import threading
+
+    from raydcp.runtime import actors
+
+    name = uname("prepare")
+    groups = [Group(name, r, 2, timeout_s=30.0) for r in range(2)]
+    Group(uname("solo"), 0, 1).prepare()  # one rank: nothing to start, nothing raised
+    groups[0].prepare()
+    host = ray_session.get_actor(f"raydcp:{name}", namespace="raydcp")  # exists right after the call
+    assert ray_session.get(host.status.remote()) == {"group": name, "creator_rank": 0, "ops": []}
+    results = [None] * 2
+
+    def rank(r):
+        t = groups[r].open_transport()
+        results[r] = t.reduce_scatter("s", r + 1, gather_all)
+        t.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert results == [[1, 2], [1, 2]]
+    assert actors._HOSTS[name]._actor_id == host._actor_id  # the prepared host ran the operation
+    actors.end_group(name)
