@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -56,8 +56,7 @@ class Shard:
         return f"Shard(shape={tuple(self.tensor.shape)}, offsets={self.offsets}, global_shape={self.global_shape})"
 
 
-@dataclass(frozen=True, slots=True)
-class TensorLeaf:
+class TensorLeaf(NamedTuple):
     """One rank's piece of one global tensor: ``tensor`` is the local data (may be on a device)."""
 
     fqn: str
@@ -81,6 +80,11 @@ class FlatState:
             self.setters[fqn](v)
         for fin in self.finalizers:
             fin()
+
+
+_STRIDED = torch.strided
+# exactly these types are plain tensors; subclasses (DTensor, a Parameter holding one) take the general path
+_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def _is_dtensor(x: Any) -> bool:
@@ -131,31 +135,39 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     flat = FlatState({}, {}, {}, [])
+    tensors, values = flat.tensors, flat.values
 
     def add(fqn: str) -> None:
-        if fqn in flat.tensors or fqn in flat.values:
+        if fqn in tensors or fqn in values:
             raise CheckpointError(f"two entries of the state dict flatten to the same key {fqn!r}; rename one")
+
+    def whole_tensor(x: torch.Tensor, fqn: str) -> None:
+        add(fqn)
+        if x.layout is not _STRIDED:
+            raise CheckpointError(f"{fqn}: {x.layout} tensors are not supported; convert with .to_dense()")
+        shape = tuple(x.shape)
+        tensors[fqn] = TensorLeaf(fqn, x, (0,) * len(shape), shape, dtype_name(x.dtype), True)
 
     def visit(x: Any, fqn: str, setter: Callable[[Any], None]) -> None:
         if _is_dtensor(x):
             add(fqn)
             leaf = _dtensor_leaf(fqn, x)
             if leaf is not None:
-                flat.tensors[fqn] = leaf
+                tensors[fqn] = leaf
         elif isinstance(x, torch.Tensor):
-            add(fqn)
-            if x.is_sparse or x.layout != torch.strided:
-                raise CheckpointError(f"{fqn}: {x.layout} tensors are not supported; convert with .to_dense()")
-            shape = tuple(x.shape)
-            flat.tensors[fqn] = TensorLeaf(fqn, x, (0,) * len(shape), shape, dtype_name(x.dtype), True)
+            whole_tensor(x, fqn)
         elif isinstance(x, Shard):
             add(fqn)
-            flat.tensors[fqn] = TensorLeaf(fqn, x.tensor, x.offsets, x.global_shape, dtype_name(x.tensor.dtype), False)
+            tensors[fqn] = TensorLeaf(fqn, x.tensor, x.offsets, x.global_shape, dtype_name(x.tensor.dtype), False)
         elif isinstance(x, dict):
+            prefix = f"{fqn}." if fqn else ""
             for k, v in list(x.items()):
                 if not isinstance(k, (str, int)):
                     raise CheckpointError(f"{fqn or '<root>'}: dict key {k!r} of type {type(k).__name__}; keys must be str or int")
-                visit(v, f"{fqn}.{k}" if fqn else str(k), _item_setter(x, k))
+                if type(v) in _PLAIN_TENSOR_TYPES:  # the common leaf: no setter, no recursion
+                    whole_tensor(v, f"{prefix}{k}")
+                else:
+                    visit(v, f"{prefix}{k}", _item_setter(x, k))
         elif isinstance(x, (list, tuple)) and _has_tensor(x):
             items = list(x)
             for i, v in enumerate(items):
@@ -169,7 +181,7 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
                 flat.finalizers.append(lambda obj=x, sd=sd: obj.load_state_dict(sd))
         elif is_plain_value(x):
             add(fqn)
-            flat.values[fqn] = x
+            values[fqn] = x
             flat.setters[fqn] = setter
         else:
             raise CheckpointError(
@@ -179,7 +191,7 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
             )
 
     visit(state_dict, "", lambda v: None)
-    visit = None  # noqa: F841 -- break the closure's self-reference, so tensors are freed without a GC pass
+    visit = whole_tensor = None  # noqa: F841 -- break the closures' self-references, so tensors are freed without a GC pass
     return flat
 
 
