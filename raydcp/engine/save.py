@@ -88,63 +88,72 @@ def _packable(t: torch.Tensor) -> bool:
     return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def _file_buffers(slots, items, sources, sums: list) -> Iterator[Any]:
-    """The buffers of one data file, in order; runs in the file's writing thread.
+def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources, crcs: list, blocks: list
+                  ) -> Iterator[Any]:
+    """The buffers of one data file, whose pieces are the items ``ids`` at byte ``offsets``, in
+    order; runs in the file's writing thread.
 
-    Every piece is checksummed here, just before it is written, and its ``(crc, block crcs)``
-    stored in ``sums[item]``: small host pieces are copied into shared buffers of up to
-    PACK_BYTES (their checksums computed there), large ones are written from their own memory
-    WRITE_BYTES at a time, each 1 MiB block checksummed just before it is written and the
-    piece's checksum combined from its blocks, so every byte is read once, while it is in cache.
+    Every piece is checksummed here, just before it is written (``crcs[item]``, ``blocks[item]``):
+    small host pieces are copied into shared buffers of up to PACK_BYTES and checksummed there;
+    large ones are written from their own memory WRITE_BYTES at a time, each 1 MiB block
+    checksummed just before it is written and the piece's checksum combined from its blocks, so
+    every byte is read once, while it is in cache.
     """
     crc = crc32c.crc32c
     memmove = ctypes.memmove
-    pos, i, n = 0, 0, len(slots)
+    pos, i, n = 0, 0, len(ids)
     while i < n:
-        slot = slots[i]
-        nbytes = items[slot.item].nbytes
-        src = sources[slot.item]
+        item = ids[i]
+        nbytes = sizes[item]
+        src = sources[item]
         if nbytes <= PACK_MAX and _packable(src):
-            run = [(slot, nbytes, src)]
-            end = slot.byte_offset + nbytes
-            i += 1
-            while i < n:
-                nxt = slots[i]
-                nb = items[nxt.item].nbytes
-                if nb > PACK_MAX or nxt.byte_offset + nb - pos > PACK_BYTES:
+            j, end = i + 1, offsets[i] + nbytes
+            while j < n:
+                nb = sizes[ids[j]]
+                if nb > PACK_MAX or offsets[j] + nb - pos > PACK_BYTES or not _packable(sources[ids[j]]):
                     break
-                s2 = sources[nxt.item]
-                if not _packable(s2):
-                    break
-                run.append((nxt, nb, s2))
-                end = nxt.byte_offset + nb
-                i += 1
+                end = offsets[j] + nb
+                j += 1
             arr = np.zeros(end - pos, dtype=np.uint8)  # zero: the alignment gaps are zero bytes
             view = memoryview(arr)
-            base = arr.ctypes.data - pos
-            for sl, nb, t in run:
-                off = sl.byte_offset
-                memmove(base + off, t.data_ptr(), nb)
-                sums[sl.item] = (crc(view[off - pos:off - pos + nb]), ())
+            base = arr.ctypes.data
+            for k in range(i, j):
+                item = ids[k]
+                nb = sizes[item]
+                off = offsets[k] - pos
+                memmove(base + off, sources[item].data_ptr(), nb)
+                crcs[item] = crc(view[off:off + nb])
             yield arr
-            pos = end
+            pos, i = end, j
             continue
         i += 1
-        if slot.byte_offset > pos:
-            yield _ZEROS[: slot.byte_offset - pos]
+        off = offsets[i - 1]
+        if off > pos:
+            yield _ZEROS[: off - pos]
         raw = _byte_view(src)
         view = memoryview((raw if raw.is_cpu else raw.cpu()).numpy())
         if nbytes <= BLOCK_BYTES:
-            sums[slot.item] = (crc(view), ())
+            crcs[item] = crc(view)
             yield view
         else:
-            blocks: list[int] = []
+            bl: list[int] = []
             for s in range(0, nbytes, WRITE_BYTES):
                 e = min(s + WRITE_BYTES, nbytes)
-                blocks.extend(crc(view[b:min(b + BLOCK_BYTES, e)]) for b in range(s, e, BLOCK_BYTES))
+                bl.extend(crc(view[b:min(b + BLOCK_BYTES, e)]) for b in range(s, e, BLOCK_BYTES))
                 yield view[s:e]
-            sums[slot.item] = (combine_block_checksums(blocks, nbytes, BLOCK_BYTES), tuple(blocks))
-        pos = slot.byte_offset + nbytes
+            crcs[item] = combine_block_checksums(bl, nbytes, BLOCK_BYTES)
+            blocks[item] = tuple(bl)
+        pos = off + nbytes
+
+
+def _file_layouts(files) -> list[tuple[str, list[int], list[int]]]:
+    """``(name, item indices, byte offsets)`` of each file of a rank's write plan: from its
+    ``(name, slots)`` pairs, or straight from the columns of a columnar plan (no slot objects)."""
+    cols = [getattr(files, a, None) for a in ("names", "items", "byte_offsets", "bounds")]
+    if all(c is not None for c in cols):
+        names, items, offs, bounds = (c.tolist() if hasattr(c, "tolist") else list(c) for c in cols)
+        return [(name, items[bounds[f]:bounds[f + 1]], offs[bounds[f]:bounds[f + 1]]) for f, name in enumerate(names)]
+    return [(name, [s.item for s in slots], [s.byte_offset for s in slots]) for name, slots in files]
 
 
 def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState) -> list[tuple]:
@@ -155,14 +164,16 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
     """
     items = staged.plan.items
     sources = staged.sources()
-    sums: list[Any] = [None] * len(items)
-    storage.write_files({name: _file_buffers(slots, items, sources, sums) for name, slots in plan.files})
+    sizes = [it.nbytes for it in items]
+    crcs: list[Any] = [None] * len(items)
+    blocks: list[tuple[int, ...]] = [()] * len(items)
+    layouts = _file_layouts(plan.files)
+    storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks) for name, ids, offs in layouts})
     records = []
-    for name, slots in plan.files:
-        for slot in slots:
-            item = items[slot.item]
-            crc, blocks = sums[slot.item]
-            records.append((item.key, item.offsets, item.sizes, name, slot.byte_offset, item.nbytes, crc, blocks))
+    for name, ids, offs in layouts:
+        for i, off in zip(ids, offs):
+            it = items[i]
+            records.append((it.key, it.offsets, it.sizes, name, off, it.nbytes, crcs[i], blocks[i]))
     return records
 
 
