@@ -36,11 +36,11 @@ def read_metadata(checkpoint_id: str, storage_options: dict | None = None) -> Me
 
 
 def local_load_plan(rank: int, flat: FlatState, strict: bool) -> LocalLoadPlan:
-    keys = sorted(flat.tensors)
+    leaves = [flat.tensors[k] for k in sorted(flat.tensors)]
     return LocalLoadPlan(
         rank=rank,
-        tensors={k: TensorSpec(flat.tensors[k].dtype, flat.tensors[k].global_shape) for k in keys},
-        items=tuple(ReadItem(k, flat.tensors[k].offsets, tuple(flat.tensors[k].tensor.shape)) for k in keys),
+        tensors={leaf.fqn: TensorSpec(leaf.dtype, leaf.global_shape) for leaf in leaves},
+        items=tuple([ReadItem(leaf.fqn, leaf.offsets, tuple(leaf.tensor.shape)) for leaf in leaves]),
         values=tuple(sorted(flat.values)),
         strict=strict,
     )

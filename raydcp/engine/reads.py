@@ -14,7 +14,7 @@ import torch
 from ..codec import checksum, combine_block_checksums, itemsize, tensor_bytes, tensor_from_bytes
 from ..errors import CheckpointError
 from ..metadata import BLOCK_BYTES
-from ..planner import ChunkRead, Delivery, byte_runs, merge_runs
+from ..planner import ChunkRead, Delivery, SourceChunk, byte_runs, merge_runs
 from ..state import TensorLeaf
 
 __all__ = ["ChunkReader", "FileChunkReader", "LiveChunkReader", "Deliverer"]
@@ -46,16 +46,25 @@ class Deliverer:
         self.outgoing: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         self.received = 0
 
-    def direct(self, d: Delivery) -> torch.Tensor | None:
-        """The memory delivery ``d`` fills, when it is this rank's, on the host and contiguous
-        (a whole chunk can then be read straight into it); None otherwise."""
+    def direct(self, d: Delivery, nbytes: int) -> torch.Tensor | None:
+        """The memory that delivery ``d`` (of ``nbytes``) fills, when it is this rank's, on the
+        host and contiguous, so that a whole chunk can be read straight into it; None otherwise."""
         if d.rank != self.rank:
             return None
-        leaf = self.leaves[d.item]
-        t = leaf.tensor
-        if d.offsets != leaf.offsets or d.sizes != tuple(t.shape):
-            t = _narrow(t, leaf.offsets, d.offsets, d.sizes)
-        if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        t = self.whole(d.item, nbytes)
+        if t is None:
+            leaf = self.leaves[d.item]
+            t = _narrow(leaf.tensor, leaf.offsets, d.offsets, d.sizes)
+            if not _host_dense(t):
+                return None
+        return t
+
+    def whole(self, item: int, nbytes: int) -> torch.Tensor | None:
+        """This rank's tensor ``item`` when a delivery of ``nbytes`` fills all of it (a delivery
+        lies inside its item's box, so equal sizes mean equal boxes) and it is on the host and
+        contiguous; None otherwise."""
+        t = self.leaves[item].tensor
+        if t.nbytes == nbytes and _host_dense(t):
             return t
         return None
 
@@ -111,35 +120,20 @@ class FileChunkReader(ChunkReader):
         Large whole chunks are read and verified in a small thread pool (reads and CRC32C
         release the GIL, so one task's checks overlap another's reads); small ones are read in
         batches per file, one positional read each into a shared buffer, verified there and
-        copied into their tensors, with no per-chunk open, stat or buffer object.
+        copied into their tensors, with no per-chunk open, stat or buffer object. A plan given
+        as columns (a columnar table of reads) is read from its columns, without a ChunkRead
+        per chunk.
         """
-        small: dict[str, list[tuple[Any, torch.Tensor]]] = {}
-        large: list[tuple[Any, torch.Tensor]] = []
-        rest: list[ChunkRead] = []
-        nread = 0
-        for cr in reads:
-            ch = cr.source
-            nbytes = ch.nbytes
-            if nbytes == 0:
-                continue
-            dels = cr.deliveries
-            if len(dels) == 1 and dels[0].sizes == ch.sizes:
-                dest = out.direct(dels[0])
-                if dest is not None:
-                    if nbytes < POOL_MIN:
-                        small.setdefault(ch.file, []).append((ch, dest))
-                    else:
-                        large.append((ch, dest))
-                    nread += nbytes
-                    continue
-            rest.append(cr)
+        sorted_reads = _columnar_reads(reads, out) or self._sort_reads(reads, out)
+        small, large, rest, resolve = sorted_reads
+        nread = sum(e[1] for chunks in small.values() for e in chunks) + sum(ch.nbytes for ch, _ in large)
         pool = ThreadPoolExecutor(min(POOL_THREADS, len(large)), thread_name_prefix="raydcp-read") if large else None
         try:
             pending = [(ch, [pool.submit(self._read_part, ch, view, s, min(s + TASK_BYTES, ch.nbytes))
                              for s in range(0, ch.nbytes, TASK_BYTES)])
                        for ch, view in ((ch, memoryview(_host_bytes(dest))) for ch, dest in large)]
             for name, chunks in small.items():
-                self._read_small(name, chunks)
+                self._read_small(name, chunks, resolve)
             for cr in rest:
                 nread += self.read(cr, out)
             for ch, futures in pending:
@@ -152,6 +146,30 @@ class FileChunkReader(ChunkReader):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         return nread
+
+    @staticmethod
+    def _sort_reads(reads: Iterable[ChunkRead], out: Deliverer):
+        """Split ``reads`` into small whole chunks by file (``(byte offset, nbytes, checksum,
+        destination, chunk)``), large whole chunks ``(chunk, destination)`` and the rest."""
+        small: dict[str, list[tuple]] = {}
+        large: list[tuple[Any, torch.Tensor]] = []
+        rest: list[ChunkRead] = []
+        for cr in reads:
+            ch = cr.source
+            nbytes = ch.nbytes
+            if nbytes == 0:
+                continue
+            dels = cr.deliveries
+            if len(dels) == 1 and dels[0].sizes == ch.sizes:
+                dest = out.direct(dels[0], nbytes)
+                if dest is not None:
+                    if nbytes < POOL_MIN:
+                        small.setdefault(ch.file, []).append((ch.byte_offset, nbytes, ch.checksum, dest, ch))
+                    else:
+                        large.append((ch, dest))
+                    continue
+            rest.append(cr)
+        return small, large, rest, None
 
     def _read_part(self, ch, view: memoryview, start: int, end: int) -> list[int]:
         """Read bytes [start, end) of chunk ``ch`` into ``view`` (the whole chunk's memory) and
@@ -178,17 +196,19 @@ class FileChunkReader(ChunkReader):
             out.append(c)
         return out
 
-    def _read_small(self, name: str, chunks: list[tuple[Any, torch.Tensor]]) -> None:
-        """Read small whole chunks of file ``name`` in batches: each batch into one buffer,
-        touching chunks with one read, then each chunk verified and copied into its tensor."""
+    def _read_small(self, name: str, chunks: list[tuple], resolve: Callable[[Any], Any] | None) -> None:
+        """Read small whole chunks ``(byte offset, nbytes, checksum, destination, ref)`` of file
+        ``name`` in batches: each batch into one buffer, touching chunks with one read, then each
+        chunk verified and copied into its tensor. ``resolve(ref)`` gives the chunk (a
+        SourceChunk) to name in errors; without ``resolve``, ``ref`` is the chunk."""
         crc = crc32c.crc32c
         memmove = ctypes.memmove
-        chunks.sort(key=lambda x: x[0].byte_offset)  # in file order: sequential reads, touching ones merged
+        chunks.sort(key=_first)  # in file order: sequential reads, touching ones merged
         i, n = 0, len(chunks)
         while i < n:
             j, size = i, 0
-            while j < n and (j == i or size + chunks[j][0].nbytes <= BATCH_BYTES):
-                size += chunks[j][0].nbytes
+            while j < n and (j == i or size + chunks[j][1] <= BATCH_BYTES):
+                size += chunks[j][1]
                 j += 1
             batch = chunks[i:j]
             buf = np.empty(size, np.uint8)
@@ -196,8 +216,7 @@ class FileChunkReader(ChunkReader):
             base = buf.ctypes.data
             runs: list[list[int]] = []  # [file offset, buffer offset, length] of each read
             pos = 0
-            for ch, _ in batch:
-                off, nb = ch.byte_offset, ch.nbytes
+            for off, nb, _, _, _ in batch:
                 if runs and runs[-1][0] + runs[-1][2] == off:
                     runs[-1][2] += nb
                 else:
@@ -206,14 +225,13 @@ class FileChunkReader(ChunkReader):
             try:
                 self.storage.read_into_many(name, [(off, view[p:p + nb]) for off, p, nb in runs])
             except CheckpointError:
-                for ch, dest in batch:  # name the first chunk that cannot be read
-                    self._read_part(ch, memoryview(_host_bytes(dest)), 0, ch.nbytes)
+                for _, nb, _, dest, ref in batch:  # name the first chunk that cannot be read
+                    self._read_part(resolve(ref) if resolve else ref, memoryview(_host_bytes(dest)), 0, nb)
                 raise
             pos = 0
-            for ch, dest in batch:
-                nb = ch.nbytes
-                if ch.checksum is not None and crc(view[pos:pos + nb]) != ch.checksum:
-                    raise _mismatch(ch, 0, nb)
+            for _, nb, expected, dest, ref in batch:
+                if expected is not None and crc(view[pos:pos + nb]) != expected:
+                    raise _mismatch(resolve(ref) if resolve else ref, 0, nb)
                 memmove(dest.data_ptr(), base + pos, nb)
                 pos += nb
             i = j
@@ -287,6 +305,76 @@ class FileChunkReader(ChunkReader):
                 f"{ch.key}: checksum mismatch in {ch.file} at bytes {ch.byte_offset}..{ch.byte_offset + ch.nbytes} "
                 f"(piece at {list(ch.offsets)}); the checkpoint is damaged: restore it from another copy"
             )
+
+
+def _first(x: tuple) -> Any:
+    return x[0]
+
+
+def _host_dense(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+_READ_COLUMNS = ("keys", "dtypes", "ndims", "files", "key", "offsets", "sizes", "file", "byte_offset", "nbytes",
+                 "checksum", "block_values", "block_bounds", "delivery_bounds", "d_rank", "d_item", "d_sizes")
+
+
+def _columnar_reads(reads: Any, out: Deliverer):
+    """:meth:`FileChunkReader._sort_reads` for a plan whose reads come as columns (arrays of
+    keys, boxes, files, offsets, checksums and deliveries; checksum -1 for none); None if
+    ``reads`` is a plain sequence of ChunkRead. Only chunks that are not read whole into this
+    rank's tensors become ChunkRead objects."""
+    if getattr(reads, "sources", True) is not None or not all(hasattr(reads, c) for c in _READ_COLUMNS):
+        return None
+    n = len(reads.nbytes)
+    db = np.asarray(reads.delivery_bounds)
+    sizes, d_sizes = np.asarray(reads.sizes), np.asarray(reads.d_sizes)
+    if n == 0 or len(db) != n + 1 or sizes.ndim != 2 or d_sizes.ndim != 2 or sizes.shape[1] != d_sizes.shape[1]:
+        return None
+    first = np.minimum(db[:-1], max(len(d_sizes) - 1, 0))
+    nbytes = np.asarray(reads.nbytes)
+    whole = ((db[1:] - db[:-1]) == 1) & (np.asarray(reads.d_rank)[first] == out.rank) & (nbytes > 0)
+    if len(d_sizes):
+        whole &= (d_sizes[first] == sizes).all(axis=1)
+    files, boff, crcs = reads.files, np.asarray(reads.byte_offset), np.asarray(reads.checksum)
+    bb = np.asarray(reads.block_bounds)
+    nblocks = bb[1:] - bb[:-1]
+    items = np.asarray(reads.d_item)[first]
+
+    def chunk(i: int) -> SourceChunk:
+        k = int(reads.key[i])
+        nd = int(reads.ndims[k])
+        crc = int(crcs[i])
+        return SourceChunk(reads.keys[k], reads.dtypes[k], tuple(reads.offsets[i][:nd].tolist()),
+                           tuple(sizes[i][:nd].tolist()), files[int(reads.file[i])], int(boff[i]), int(nbytes[i]),
+                           None if crc < 0 else crc, tuple(reads.block_values[bb[i]:bb[i + 1]].tolist()))
+
+    small: dict[str, list[tuple]] = {}
+    large: list[tuple[Any, torch.Tensor]] = []
+    rest_rows: list[int] = []
+    whole_dest = out.whole
+    rows = np.flatnonzero(whole & (nbytes < POOL_MIN) & (nblocks == 0))
+    for i, item, nb, f, off, crc in zip(rows.tolist(), items[rows].tolist(), nbytes[rows].tolist(),
+                                          np.asarray(reads.file)[rows].tolist(), boff[rows].tolist(),
+                                          crcs[rows].tolist()):
+        dest = whole_dest(item, nb)
+        if dest is None:
+            rest_rows.append(i)
+        else:
+            small.setdefault(files[f], []).append((off, nb, None if crc < 0 else crc, dest, i))
+    rows = np.flatnonzero(whole & ((nbytes >= POOL_MIN) | (nblocks > 0)))
+    for i, item, nb in zip(rows.tolist(), items[rows].tolist(), nbytes[rows].tolist()):
+        dest = whole_dest(item, nb)
+        if dest is None:
+            rest_rows.append(i)
+        else:
+            large.append((chunk(i), dest))
+    rest_rows.extend(np.flatnonzero(~whole & (nbytes > 0)).tolist())
+    rest: list[ChunkRead] = []
+    if rest_rows:
+        objs = tuple(reads)
+        rest = [objs[i] for i in sorted(rest_rows)]
+    return small, large, rest, chunk
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:
