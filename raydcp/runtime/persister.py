@@ -3,8 +3,9 @@
 ``raydcp.async_save(..., group=g)`` on a rank:
 
 1. stages: every piece is copied into Ray's object store as one object (one
-   ``ray.put`` of the pieces' host byte views: one memcpy each, device pieces
-   first copied to host) -- the call returns after this;
+   ``ray.put`` of the pieces' host byte views: one memcpy each; device pieces
+   are first copied into a pinned host arena kept between saves, with
+   non-blocking copies on a side stream) -- the call returns after this;
 2. hands the object and the rank's local plan to its persister actor, a Ray
    actor pinned to the same node (created on first use, reused, calls run in
    order), which reads the pieces zero-copy and runs the ordinary save protocol
@@ -23,6 +24,7 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..engine.save import StagedState, local_save_plan, save_with
+from ..engine.staging import StagingArena
 from ..errors import CheckpointError
 from ..group import Group
 from ..state import flatten_state
@@ -75,6 +77,8 @@ class RayAsyncPersister:
     """The persister actor of this process (one per process, on this node)."""
 
     def __init__(self) -> None:
+        # ray.put copies out of the arena before submit returns, so the next save may reuse it
+        self.device_arena = StagingArena()
         node = ray.get_runtime_context().get_node_id()
         self.actor = _PersisterRemote.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
@@ -84,7 +88,10 @@ class RayAsyncPersister:
         from ..engine.background import SaveFuture
 
         staged = local_save_plan(group.rank, flatten_state(state_dict), compare_replicas=group.world_size > 1)
-        views = [(d if d.device.type == "cpu" else d.cpu()).numpy() for d in staged.data]
+        on_device = [i for i, d in enumerate(staged.data) if d.device.type != "cpu"]
+        if on_device:  # device pieces: pinned host arena, non-blocking copies on a side stream, reused
+            self.device_arena.stage(staged, on_device)
+        views = [d.numpy() for d in staged.data]
         pieces = ray.put(views)  # the snapshot: one copy of every piece into shared memory
         op = group.next_operation()
         ref = self.actor.persist.remote(group.name, group.rank, group.world_size, group.timeout_s, op,
