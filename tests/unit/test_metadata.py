@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from raydcp import CheckpointError
+from raydcp.metadata import BLOCK_BYTES as BLOCK
 from raydcp.metadata import FORMAT_VERSION, ChunkMeta, Metadata, TensorMeta, decode_metadata, encode_metadata
 
 
@@ -93,3 +94,48 @@ def test_chunk_outside_its_tensor_is_refused():
     with pytest.raises(CheckpointError, match="does not fit the tensor's shape"):
         decode_metadata(blob)
     assert md  # the sample itself stays decodable
+
+
+def test_decoded_chunks_are_columns_that_read_as_chunk_meta():
+    import pickle
+
+    from raydcp.metadata import ChunkTable
+
+    md = sample()
+    back = decode_metadata(encode_metadata(md))
+    w = back.tensors["w"].chunks
+    assert isinstance(w, ChunkTable) and len(w) == 2
+    assert w[1] == md.tensors["w"].chunks[1] and w[-1] == w[1]  # one chunk, built on access
+    assert list(w) == list(md.tensors["w"].chunks) and w == md.tensors["w"].chunks
+    assert back.tensors["w"].nbytes == 48 and back.tensors["z"].chunks[0].offsets == ()
+    again = pickle.loads(pickle.dumps(back))
+    assert again.tensors == md.tensors
+    # re-encoding decoded metadata (columns) gives the same bytes as encoding the objects
+    assert encode_metadata(back) == encode_metadata(md)
+
+
+def test_mixed_dimensions_and_block_checksums_round_trip():
+    big = 3 * BLOCK + 5
+    a = TensorMeta("uint8", (big,), (ChunkMeta((0,), (big,), "f0", 0, big, 1, (10, 11, 12, 13)),))
+    b = TensorMeta("float32", (2, 2, 2), (ChunkMeta((0, 0, 0), (1, 2, 2), "f1", 0, 16, 2),
+                                          ChunkMeta((1, 0, 0), (1, 2, 2), "f0", big + 59, 16, 3)))
+    md = Metadata("x", 2, 0.0, {"a": a, "b": b, "c": TensorMeta("int64", (), (ChunkMeta((), (), "f1", 64, 8, 4),))}, {})
+    back = decode_metadata(encode_metadata(md))
+    assert back.tensors == md.tensors and back.files == md.files
+
+
+def test_rows_out_of_tensor_order_decode_on_the_general_path():
+    import pyarrow as pa
+
+    from raydcp.metadata import _SCHEMA_FIELDS, _envelope, _header
+
+    md = sample()
+    cols = [pa.array([1, 0, 0], pa.int32()), pa.array([[], [0, 0], [2, 0]], pa.list_(pa.int64())),
+            pa.array([[], [2, 3], [2, 3]], pa.list_(pa.int64())), pa.array([0, 0, 1], pa.int32()),
+            pa.array([64, 0, 64], pa.int64()), pa.array([2, 24, 24], pa.int64()), pa.array([5, 11, 12], pa.uint32()),
+            pa.array([[], [], []], pa.list_(pa.uint32()))]
+    header = _header(Metadata("x", 2, 1.0, {"w": md.tensors["w"], "z": md.tensors["z"]}, {}), ["w", "z"],
+                     ["data/x/r0.bin", "data/x/r1.bin"])
+    assert [f.name for f in _SCHEMA_FIELDS][0] == "tensor"
+    back = decode_metadata(_envelope(cols, header))
+    assert back.tensors["w"] == md.tensors["w"] and back.tensors["z"] == md.tensors["z"]
