@@ -10,7 +10,7 @@ from ..codec import itemsize
 from ..errors import CheckpointError, RankFailure
 from ..metadata import Metadata, decode_metadata
 from ..planner import (LocalLoadPlan, LocalSavePlan, RankLoadPlan, ReadItem, SourceChunk, TensorSpec,
-                       check_requests, plan_load)
+                       check_requests, plan_load, stored_sources)
 from ..planner.save import _agree_on_tensors, _agree_on_values, _tiling_problems
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
@@ -46,13 +46,8 @@ def local_load_plan(rank: int, flat: FlatState, strict: bool) -> LocalLoadPlan:
     )
 
 
-def _stored_sources(md: Metadata) -> dict[str, list[SourceChunk]]:
-    return {
-        key: [SourceChunk(key, t.dtype, c.offsets, c.sizes, c.file, c.byte_offset, c.nbytes, c.checksum,
-                             c.block_checksums)
-              for c in t.chunks]
-        for key, t in md.tensors.items()
-    }
+def _stored_sources(md: Metadata):
+    return stored_sources(md)  # key -> the stored chunks as columns (a sequence of SourceChunk)
 
 
 def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, local_plans: Sequence[LocalLoadPlan]):

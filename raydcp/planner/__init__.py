@@ -1,9 +1,9 @@
 """Pure planning: no Ray, no I/O. See :mod:`raydcp.planner.types` for the protocol."""
 from .boxes import byte_runs, intersect, merge_runs, numel
-from .load import check_requests, plan_load
-from .save import SavePlanOptions, plan_save
+from .load import check_requests, plan_load, stored_sources
+from .save import SavePlanOptions, chunk_tables, plan_save
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all
 
-__all__ = ["plan_save", "plan_load", "check_requests", "SavePlanOptions",
+__all__ = ["plan_save", "plan_load", "check_requests", "stored_sources", "chunk_tables", "SavePlanOptions",
            "byte_runs", "intersect", "merge_runs", "numel", *_types_all]

@@ -10,17 +10,42 @@ import bisect
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from ..errors import CheckpointError
-from .boxes import byte_runs, intersect, merge_runs, numel
-from .types import ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, SourceChunk, TensorSpec
+import numpy as np
 
-__all__ = ["plan_load", "check_requests"]
+from ..errors import CheckpointError
+from ..metadata import ChunkTable
+from .boxes import byte_runs, intersect, merge_runs, numel
+from .types import (ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, ReadTable, SourceChunk, StoredChunks,
+                    TensorSpec)
+
+__all__ = ["plan_load", "check_requests", "stored_sources"]
 
 
 def check_requests(
     available: Mapping[str, TensorSpec], values: Mapping[str, Any], local_plans: Sequence[LocalLoadPlan]
 ) -> None:
-    """One CheckpointError naming every missing, unexpected or mismatched key (strict plans)."""
+    """One CheckpointError naming every missing, unexpected or mismatched key (strict plans).
+
+    Ranks whose plans want the same tensors (equal signatures), the same plain values and the same
+    strictness are checked once; where that finds a problem, every rank is checked to name it.
+    """
+    distinct: dict[tuple, LocalLoadPlan] = {}
+    for lp in local_plans:
+        cols = getattr(lp, "columns", None)
+        group = (cols.signature, lp.strict, tuple(lp.values)) if cols is not None else (lp.rank,)
+        distinct.setdefault(group, lp)
+    if len(distinct) < len(local_plans):
+        try:
+            _check_requests(available, values, list(distinct.values()))
+            return
+        except CheckpointError:
+            pass
+    _check_requests(available, values, local_plans)
+
+
+def _check_requests(
+    available: Mapping[str, TensorSpec], values: Mapping[str, Any], local_plans: Sequence[LocalLoadPlan]
+) -> None:
     strict = any(lp.strict for lp in local_plans)
     missing: set[str] = set()
     mismatched: dict[str, str] = {}
@@ -89,13 +114,415 @@ class _ChunkIndex:
         return self.order[first:last]
 
 
+def stored_sources(md) -> dict[str, StoredChunks]:
+    """The source chunks of a checkpoint's metadata, as columns (no per-chunk objects)."""
+    return {key: StoredChunks(key, t.dtype, ChunkTable.from_chunks(t.chunks, len(t.shape)))
+            for key, t in md.tensors.items()}
+
+
 def plan_load(
     sources: Mapping[str, Sequence[SourceChunk]],
     local_plans: Sequence[LocalLoadPlan],
     values: Mapping[str, Any],
     itemsizes: Mapping[str, int],
 ) -> list[RankLoadPlan]:
-    """Assign every needed source chunk to one reader and list its deliveries (pure)."""
+    """Assign every needed source chunk to one reader and list its deliveries (pure).
+
+    The work is done on arrays: the chunks a request overlaps are found by a binary search where
+    a tensor's chunks are split along one dimension, box by box otherwise. A chunk needed by one
+    rank is read by that rank; a chunk needed by several is read, largest first, by the needing
+    rank for which (bytes already assigned - bytes of the chunk it needs) is least; a live chunk
+    (``holders`` set) by its least loaded holder.
+    """
+    planned = _plan_load_columns(sources, local_plans, values, itemsizes)
+    if planned is not None:
+        return planned
+    return _plan_load_objects(sources, local_plans, values, itemsizes)
+
+
+def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoadPlan] | None:
+    world = len(local_plans)
+    lcols = [getattr(lp, "columns", None) for lp in local_plans]
+    if any(c is None for c in lcols):
+        return None
+    keys = list(sources)
+    nkeys = len(keys)
+    kid = {key: i for i, key in enumerate(keys)}
+
+    # ---- the source chunks, every key's in one set of arrays
+    counts = np.array([len(sources[key]) for key in keys], np.int64)
+    nchunks = int(counts.sum())
+    cstart = np.zeros(nkeys + 1, np.int64)
+    np.cumsum(counts, out=cstart[1:])
+    nd_key = np.full(nkeys, -1, np.int64)
+    dtypes: list[str] = []
+    tables: list = []     # per key: a ChunkTable (stored) or a list of SourceChunk
+    stored = True
+    for i, key in enumerate(keys):
+        src = sources[key]
+        if isinstance(src, StoredChunks):
+            tables.append(src.table)
+            dtypes.append(src.dtype)
+            nd_key[i] = src.table.offsets.shape[1]
+        else:
+            objs = list(src)
+            stored = False
+            tables.append(objs)
+            dtypes.append(objs[0].dtype if objs else "")
+            nds = {len(c.offsets) for c in objs} | {len(c.sizes) for c in objs}
+            if len(nds) > 1:
+                return None
+            if objs:
+                nd_key[i] = nds.pop()
+    width = max([1, *nd_key.tolist(), *(c.offsets.shape[1] for c in lcols)])
+    s_off = np.zeros((nchunks, width), np.int64)
+    s_size = np.ones((nchunks, width), np.int64)
+    s_nbytes = np.zeros(nchunks, np.int64)
+    ext = np.ones((nkeys, width), np.int64)  # per key, the box its chunks span
+    files: list[str] = []
+    if stored:  # where each stored chunk lies: file, byte offset, checksum, block checksums
+        s_file, s_boff, s_crc = np.zeros(nchunks, np.int64), np.zeros(nchunks, np.int64), np.zeros(nchunks, np.int64)
+        s_bstart, s_blen = np.zeros(nchunks, np.int64), np.zeros(nchunks, np.int64)
+        file_index: dict[str, int] = {}
+        remap: dict[int, tuple] = {}
+        block_arrays: dict[int, tuple] = {}
+        nblock_values = 0
+    for i, t in enumerate(tables):
+        a, b, nd = cstart[i], cstart[i + 1], nd_key[i]
+        if a == b:
+            continue
+        if isinstance(t, ChunkTable):
+            s_off[a:b, :nd] = t.offsets
+            s_size[a:b, :nd] = t.sizes
+            s_nbytes[a:b] = t.nbytes
+            m = remap.get(id(t.files))
+            if m is None or m[0] is not t.files:
+                m = remap[id(t.files)] = (t.files, np.array([file_index.setdefault(f, len(file_index))
+                                                             for f in t.files] or [0]))
+            s_file[a:b] = m[1][t.file]
+            s_boff[a:b] = t.byte_offset
+            s_crc[a:b] = t.checksum
+            v = block_arrays.get(id(t.block_values))
+            if v is None or v[0] is not t.block_values:
+                v = block_arrays[id(t.block_values)] = (t.block_values, nblock_values)
+                nblock_values += len(t.block_values)
+            s_bstart[a:b] = t.block_bounds[:-1] + v[1]
+            s_blen[a:b] = np.diff(t.block_bounds)
+        else:
+            try:
+                s_off[a:b, :nd] = [c.offsets for c in t]
+                s_size[a:b, :nd] = [c.sizes for c in t]
+                s_nbytes[a:b] = [c.nbytes for c in t]
+            except (ValueError, TypeError, OverflowError):
+                return None
+        if nd > 0:
+            ext[i, :nd] = (s_off[a:b, :nd] + s_size[a:b, :nd]).max(axis=0)
+    s_key = np.repeat(np.arange(nkeys), counts)
+    isz = np.array([itemsizes[key] for key in keys], np.int64)
+
+    # ---- the requests of every rank
+    maps: dict[bytes, np.ndarray] = {}
+    qcount = np.array([len(c.key) for c in lcols], np.int64)
+    nq = int(qcount.sum())
+    qstart = np.zeros(world + 1, np.int64)
+    np.cumsum(qcount, out=qstart[1:])
+    q_key = np.empty(nq, np.int64)
+    q_off = np.zeros((nq, width), np.int64)
+    q_size = np.ones((nq, width), np.int64)
+    for r, c in enumerate(lcols):
+        m = maps.get(c.keys_digest)
+        if m is None:
+            m = maps[c.keys_digest] = np.array([kid.get(key, -1) for key in c.keys] or [0], np.int64)
+        a, b = qstart[r], qstart[r + 1]
+        q_key[a:b] = m[c.key]
+        w = c.offsets.shape[1]
+        q_off[a:b, :w] = c.offsets
+        q_size[a:b, :w] = c.sizes
+    q_nd = np.concatenate([c.ndim for c in lcols]) if nq else np.zeros(0, np.int64)
+    q_rank = np.repeat(np.arange(world), qcount)
+    q_item = np.arange(nq) - qstart[:-1][q_rank]
+    known = q_key >= 0
+    kk = q_key[known]
+    if ((q_nd[known] != nd_key[kk]) & (nd_key[kk] >= 0)).any() or (q_nd < 0).any() or (q_size < 0).any():
+        return None
+    q_numel = _rows_prod(q_size)
+
+    # ---- which chunks each request overlaps
+    c_live = _rows_all(s_size > 0)
+    full = (s_off == 0) & (s_size == _take(ext, s_key))
+    nfull = _rows_sum(full)
+    piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, np.argmin(full, axis=1), -1))
+    piece_dim[~c_live] = width
+    dmin = np.full(nkeys, width, np.int64)
+    dmax = np.full(nkeys, -1, np.int64)
+    split = piece_dim < width
+    np.minimum.at(dmin, s_key[split], piece_dim[split])
+    np.maximum.at(dmax, s_key[split], piece_dim[split])
+    general = (dmin < 0) | ((dmax >= 0) & (dmax != dmin))
+    key_dim = np.where(dmin >= width, 0, np.maximum(dmin, 0))
+    span = ext[np.arange(nkeys), key_dim]
+    base = np.zeros(nkeys, np.int64)
+    np.cumsum(span[:-1] + 1, out=base[1:])
+    # chunks of one-dimensional keys on one line, key after key; they must not overlap
+    on_line = np.flatnonzero(c_live & ~general[s_key])
+    d_of = key_dim[s_key[on_line]]
+    line_start = base[s_key[on_line]] + _pick(s_off, on_line, d_of)
+    if len(line_start) and (line_start[1:] < line_start[:-1]).any():  # stored chunks usually come sorted
+        order = np.argsort(line_start, kind="stable")
+        on_line, line_start = on_line[order], line_start[order]
+    line_end = line_start + _pick(s_size, on_line, key_dim[s_key[on_line]])
+    clash = np.flatnonzero(line_end[:-1] > line_start[1:])
+    if len(clash):
+        general[s_key[on_line[clash]]] = True
+        keep = ~general[s_key[on_line]]
+        on_line, line_start, line_end = on_line[keep], line_start[keep], line_end[keep]
+
+    q_live = known & _rows_all(q_size > 0)
+    q_general = np.zeros(nq, bool)
+    q_general[known] = general[kk]
+    q1 = np.flatnonzero(q_live & ~q_general)
+    k1 = q_key[q1]
+    d1 = key_dim[k1]
+    q1_off, q1_size = _pick(q_off, q1, d1), _pick(q_size, q1, d1)
+    lo = np.clip(q1_off, 0, span[k1]) + base[k1]
+    hi = np.clip(q1_off + q1_size, 0, span[k1]) + base[k1]
+    first = np.searchsorted(line_end, lo, side="right")
+    last = np.searchsorted(line_start, hi, side="left")
+    n_c = np.maximum(last - first, 0)
+    p_q = np.repeat(q1, n_c)
+    within = np.arange(len(p_q)) - np.repeat(np.cumsum(n_c) - n_c, n_c)
+    p_c = on_line[np.repeat(first, n_c) + within]
+    gen_q = np.flatnonzero(q_live & q_general)
+    if len(gen_q):
+        gq, gc = _general_pairs(gen_q, q_key, q_off, q_size, s_off, s_size, cstart, c_live)
+        p_q, p_c = np.concatenate([p_q, gq]), np.concatenate([p_c, gc])
+
+    # ---- the part of the chunk each request needs
+    qo, co = _take(q_off, p_q), _take(s_off, p_c)
+    box_lo = np.maximum(qo, co)
+    box_sz = np.minimum(qo + _take(q_size, p_q), co + _take(s_size, p_c)) - box_lo
+    del qo, co
+    ok = _rows_all(box_sz > 0)
+    if not ok.all():
+        keep = np.flatnonzero(ok)
+        p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], _take(box_lo, keep), _take(box_sz, keep)
+    p_numel = _rows_prod(box_sz)
+    covered = np.bincount(p_q, weights=p_numel, minlength=nq) if len(p_q) else np.zeros(nq)
+    gaps = known & (covered != q_numel)
+    if gaps.any():
+        names = sorted({keys[k] for k in q_key[gaps].tolist()})
+        raise CheckpointError(
+            f"the stored pieces of {_names(names)} do not cover the tensor exactly (a gap or an overlap); "
+            f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
+    p_rank = q_rank[p_q]
+    p_bytes = p_numel * isz[s_key[p_c]]
+
+    # ---- one reader per needed chunk. A chunk one request needs (the common case) is read by the
+    # rank that needs it; the others ("special": several deliveries, or a live chunk) below.
+    npairs = len(p_c)
+    ccount = np.bincount(p_c, minlength=nchunks) if npairs else np.zeros(nchunks, np.int64)
+    special = ccount[p_c] > 1
+    live_chunk = np.zeros(nchunks, bool)
+    holders_of: dict[int, tuple] = {}
+    if not stored:
+        for c in np.unique(p_c).tolist():
+            k = int(s_key[c])
+            t = tables[k]
+            if not isinstance(t, ChunkTable) and t[c - cstart[k]].holders is not None:
+                live_chunk[c] = True
+                holders_of[c] = t[c - cstart[k]].holders
+        special |= live_chunk[p_c]
+    single = np.flatnonzero(~special)
+    load = np.bincount(p_rank[single], weights=p_bytes[single], minlength=world).astype(np.int64)
+    incoming = np.zeros(world, np.int64)
+    sp = np.flatnonzero(special)
+    sp = sp[np.argsort(p_c[sp], kind="stable")]
+    sp_heads = np.flatnonzero(np.r_[True, p_c[sp][1:] != p_c[sp][:-1]]) if len(sp) else np.zeros(0, np.int64)
+    sp_chunk = p_c[sp][sp_heads]
+    sp_count = np.diff(np.append(sp_heads, len(sp)))
+    sp_reader = np.full(len(sp_heads), -1, np.int64)
+    sp_nread = np.zeros(len(sp_heads), np.int64)
+    if len(sp_heads):
+        lload = load.tolist()
+        todo = []
+        for j, c in enumerate(sp_chunk.tolist()):
+            k = int(s_key[c])
+            nd = max(int(nd_key[k]), 0)
+            grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()
+            co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
+            boxes = {(tuple(box_lo[x, :nd].tolist()), tuple(box_sz[x, :nd].tolist())) for x in grp}
+            if len(boxes) == 1:
+                sp_nread[j] = int(p_bytes[grp[0]])
+            else:
+                runs = merge_runs([r for o, s in boxes for r in byte_runs(co, cs, o, s, int(isz[k]))])
+                sp_nread[j] = sum(e - s for s, e in runs)
+            ranks = {int(p_rank[x]) for x in grp}
+            if len(ranks) == 1 and not live_chunk[c]:
+                sp_reader[j] = ranks.pop()
+                lload[int(sp_reader[j])] += int(sp_nread[j])
+            else:
+                todo.append(j)
+        # the rest largest first (ties: first needed first), each to the rank it costs least
+        todo.sort(key=lambda j: (-int(s_nbytes[sp_chunk[j]]), int(sp[sp_heads[j]])))
+        for j in todo:
+            c = int(sp_chunk[j])
+            grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()
+            if live_chunk[c]:
+                r = min(holders_of[c], key=lambda x: (lload[x], x))
+            else:
+                share: dict[int, int] = {}
+                for x in grp:
+                    share[int(p_rank[x])] = share.get(int(p_rank[x]), 0) + int(p_numel[x])
+                isz_k = int(isz[s_key[c]])
+                r = min(share, key=lambda x: (lload[x] - share[x] * isz_k, x))
+            sp_reader[j] = r
+            lload[r] += int(sp_nread[j])
+        load = np.array(lload, np.int64)
+        sp_pair_reader = np.repeat(sp_reader, sp_count)
+        np.add.at(incoming, p_rank[sp][p_rank[sp] != sp_pair_reader], 1)
+    bytes_read = load
+    needed = np.bincount(p_rank, weights=p_bytes, minlength=world).astype(np.int64) if npairs else \
+        np.zeros(world, np.int64)
+
+    # ---- each rank's reads: the chunks only it needs (in the order of its requests), then the
+    # special ones it reads (in chunk order); placed by counting, without sorting all the pairs
+    sr = p_rank[single]
+    if len(sr) and (sr[1:] < sr[:-1]).any():
+        single = single[np.argsort(sr, kind="stable")]
+        sr = p_rank[single]
+    n_single = np.bincount(sr, minlength=world) if len(sr) else np.zeros(world, np.int64)
+    sp_order = np.lexsort((sp_chunk, sp_reader)) if len(sp_heads) else np.zeros(0, np.int64)
+    n_special = np.bincount(sp_reader, minlength=world) if len(sp_heads) else np.zeros(world, np.int64)
+    rb = np.zeros(world + 1, np.int64)
+    np.cumsum(n_single + n_special, out=rb[1:])
+    nreads = int(rb[-1])
+    single_start = np.zeros(world + 1, np.int64)
+    np.cumsum(n_single, out=single_start[1:])
+    pos_single = rb[:-1][sr] + np.arange(len(single)) - single_start[:-1][sr]
+    dcount = np.ones(nreads, np.int64)
+    rchunk = np.empty(nreads, np.int64)
+    rchunk[pos_single] = p_c[single]
+    if len(sp_heads):
+        rdr = sp_reader[sp_order]
+        sp_start = np.zeros(world + 1, np.int64)
+        np.cumsum(n_special, out=sp_start[1:])
+        pos_sp = rb[:-1][rdr] + n_single[rdr] + np.arange(len(sp_order)) - sp_start[:-1][rdr]
+        rchunk[pos_sp] = sp_chunk[sp_order]
+        dcount[pos_sp] = sp_count[sp_order]
+    pb = np.zeros(nreads + 1, np.int64)
+    np.cumsum(dcount, out=pb[1:])
+    pairs = np.empty(npairs, np.int64)
+    pairs[pb[:-1][pos_single]] = single
+    if len(sp_heads):
+        cnt = sp_count[sp_order]
+        first = np.repeat(pb[:-1][pos_sp] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+        src = np.repeat(sp_heads[sp_order] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+        pairs[first] = sp[src]
+
+    cols = {"key": s_key[rchunk], "offsets": _take(s_off, rchunk), "sizes": _take(s_size, rchunk),
+            "nbytes": s_nbytes[rchunk], "d_rank": p_rank[pairs], "d_item": q_item[p_q[pairs]],
+            "d_offsets": _take(box_lo, pairs), "d_sizes": _take(box_sz, pairs)}
+    if stored:
+        files = list(file_index)
+        bl = s_blen[rchunk]
+        bounds = np.zeros(nreads + 1, np.int64)
+        np.cumsum(bl, out=bounds[1:])
+        total = int(bounds[-1])
+        values_all = np.zeros(0, np.uint32)
+        if total:
+            everything = np.concatenate([v[0] for v in block_arrays.values()]).astype(np.uint32, copy=False)
+            values_all = everything[np.repeat(s_bstart[rchunk] - bounds[:-1], bl) + np.arange(total)]
+        cols.update({"file": s_file[rchunk], "byte_offset": s_boff[rchunk], "checksum": s_crc[rchunk],
+                     "block_values": values_all, "block_bounds": bounds})
+    else:
+        objs = [tables[k][c - cstart[k]] if not isinstance(tables[k], ChunkTable) else
+                StoredChunks(keys[k], dtypes[k], tables[k])[c - cstart[k]]
+                for c, k in zip(rchunk.tolist(), s_key[rchunk].tolist())]
+    plans = []
+    for r, lp in enumerate(local_plans):
+        a, b = int(rb[r]), int(rb[r + 1])
+        fields = {name: arr[a:b] for name, arr in cols.items() if not name.startswith(("d_", "block_"))}
+        fields.update({name: arr[pb[a]:pb[b]] for name, arr in cols.items() if name.startswith("d_")})
+        if stored:
+            bb = cols["block_bounds"][a:b + 1]
+            fields["block_values"] = cols["block_values"][bb[0]:bb[-1]]
+            fields["block_bounds"] = bb - bb[0]
+        else:
+            fields["sources"] = objs[a:b]
+        reads = ReadTable(keys=keys, dtypes=dtypes, ndims=nd_key, files=files,
+                          delivery_bounds=pb[a:b + 1] - pb[a], **fields)
+        plans.append(RankLoadPlan(rank=lp.rank, reads=reads, incoming=int(incoming[r]),
+                                  values={k: values[k] for k in lp.values if k in values},
+                                  bytes_read=int(bytes_read[r]), bytes_needed=int(needed[r])))
+    return plans
+
+
+def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
+    """(request, chunk) pairs that overlap, for keys whose chunks are not split along one dimension."""
+    out_q, out_c = [], []
+    indexes: dict[int, tuple] = {}
+    for q in reqs.tolist():
+        k = int(q_key[q])
+        ix = indexes.get(k)
+        if ix is None:
+            a, b = int(cstart[k]), int(cstart[k + 1])
+            live = [c for c in range(a, b) if c_live[c]]
+            boxes = [(tuple(s_off[c].tolist()), tuple(s_size[c].tolist())) for c in live]
+            ix = indexes[k] = (live, boxes, _ChunkIndex([_Box(o, s) for o, s in boxes]))
+        live, boxes, index = ix
+        qo, qs = tuple(q_off[q].tolist()), tuple(q_size[q].tolist())
+        for ci in index.candidates(qo, qs):
+            if intersect(boxes[ci][0], boxes[ci][1], qo, qs) is not None:
+                out_q.append(q)
+                out_c.append(live[ci])
+    return np.array(out_q, np.int64), np.array(out_c, np.int64)
+
+
+class _Box:
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets, sizes):
+        self.offsets, self.sizes = offsets, sizes
+
+
+def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``a[rows]`` for a 2-D array (np.take copies whole rows, many times faster than fancy indexing)."""
+    return np.take(a, rows, axis=0)
+
+
+def _pick(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``a[rows, cols]`` of a C-contiguous 2-D array, through its flat view."""
+    return np.take(a.reshape(-1), rows * a.shape[1] + cols)
+
+
+def _rows_all(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].copy()
+    for j in range(1, m.shape[1]):
+        out &= m[:, j]
+    return out
+
+
+def _rows_prod(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].copy()
+    for j in range(1, m.shape[1]):
+        out *= m[:, j]
+    return out
+
+
+def _rows_sum(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].astype(np.int64)
+    for j in range(1, m.shape[1]):
+        out += m[:, j]
+    return out
+
+
+def _plan_load_objects(
+    sources: Mapping[str, Sequence[SourceChunk]],
+    local_plans: Sequence[LocalLoadPlan],
+    values: Mapping[str, Any],
+    itemsizes: Mapping[str, int],
+) -> list[RankLoadPlan]:
+    """The general path of :func:`plan_load`: a Python object per chunk and delivery."""
     world = len(local_plans)
     # deliveries per source chunk
     wanted: dict[tuple[str, int], list[Delivery]] = defaultdict(list)

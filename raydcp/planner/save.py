@@ -5,11 +5,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import CheckpointError
-from .boxes import numel
-from .types import FileSlot, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
+import numpy as np
 
-__all__ = ["SavePlanOptions", "plan_save"]
+from ..errors import CheckpointError
+from ..metadata import BLOCK_BYTES, ChunkTable
+from .boxes import numel
+from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
+
+__all__ = ["SavePlanOptions", "plan_save", "chunk_tables"]
 
 ALIGN = 64  # every piece starts at a multiple of this in its file (mmap- and SIMD-friendly)
 
@@ -25,14 +28,41 @@ class SavePlanOptions:
 
 
 def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = SavePlanOptions()) -> GlobalSavePlan:
-    """Build the global save plan from every rank's local plan (pure; raises CheckpointError)."""
+    """Build the global save plan from every rank's local plan (pure; raises CheckpointError).
+
+    The common case runs on the plans' columns (:class:`ItemColumns`) with array operations:
+    tensors split along one dimension (row or column blocks, whole replicas) are validated by a
+    sort and a sweep. Tensors split otherwise (grids) are checked box by box, and any plan the
+    array path finds wrong is planned again box by box, which names every problem.
+    """
     world = len(local_plans)
     for i, lp in enumerate(local_plans):
         if lp.rank != i:
             raise CheckpointError(f"local plans out of order: position {i} holds rank {lp.rank}")
-    tensors = _agree_on_tensors(local_plans)
+    tensors = _agree_fast(local_plans)
     values = _agree_on_values(local_plans, tensors)
+    save_id = options.save_id or uuid.uuid4().hex[:16]
+    planned = _plan_columns(local_plans, tensors, values, options, save_id)
+    if planned is not None:
+        return planned
+    return _plan_objects(local_plans, tensors, values, options, save_id)
 
+
+def _agree_fast(local_plans: Sequence[LocalSavePlan]) -> dict[str, TensorSpec]:
+    """``_agree_on_tensors``, comparing whole signatures where every rank describes the same tensors."""
+    cols = [getattr(lp, "columns", None) for lp in local_plans]
+    if cols and all(c is not None for c in cols):
+        first = cols[0].signature
+        if all(c.signature == first for c in cols):
+            lp0 = local_plans[0]
+            return {key: lp0.tensors[key] for key in sorted(lp0.tensors)}
+    return _agree_on_tensors(local_plans)
+
+
+def _plan_objects(local_plans: Sequence[LocalSavePlan], tensors: dict[str, TensorSpec], values: dict[str, Any],
+                  options: SavePlanOptions, save_id: str) -> GlobalSavePlan:
+    """The general path: a Python object per box (any layout; names every problem)."""
+    world = len(local_plans)
     # group identical boxes (replicas) and check each tensor is tiled exactly
     boxes: dict[str, dict[tuple, list[tuple[int, int]]]] = {}
     for lp in local_plans:
@@ -73,12 +103,235 @@ def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = S
         load[r] += nbytes
         assigned[r].append(i)
 
-    save_id = options.save_id or uuid.uuid4().hex[:16]
     ranks = tuple(
         RankWritePlan(r, save_id, _pack_files(save_id, r, local_plans[r], sorted(assigned[r]), options.max_file_bytes))
         for r in range(world)
     )
     return GlobalSavePlan(save_id, world, tensors, values, ranks, tuple(load))
+
+
+def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, TensorSpec], values: dict[str, Any],
+                  options: SavePlanOptions, save_id: str) -> GlobalSavePlan | None:
+    """The array path of :func:`plan_save`; None where the general path must decide."""
+    world = len(local_plans)
+    cols = [getattr(lp, "columns", None) for lp in local_plans]
+    if any(c is None or c.nbytes is None for c in cols):
+        return None
+    keys = list(tensors)
+    k = len(keys)
+    nds = np.array([len(tensors[key].shape) for key in keys], np.int64)
+    width = max([1, *(len(tensors[key].shape) for key in keys), *(c.offsets.shape[1] for c in cols)])
+    shape = np.ones((k, width), np.int64)
+    spec_numel = np.zeros(k, np.int64)
+    for i, key in enumerate(keys):
+        s = tuple(tensors[key].shape)
+        if numel(s) >= 1 << 62 or any(x < 0 for x in s):
+            return None
+        shape[i, :len(s)] = s
+        spec_numel[i] = numel(s)
+
+    # every rank's items, concatenated: global key id, rank, index in its plan, box, bytes, checksum
+    kid = {key: i for i, key in enumerate(keys)}
+    maps: dict[bytes, np.ndarray] = {}
+    counts = np.array([len(c.key) for c in cols], np.int64)
+    n = int(counts.sum())
+    starts = np.zeros(world + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    g = np.empty(n, np.int64)
+    off = np.zeros((n, width), np.int64)
+    size = np.ones((n, width), np.int64)
+    for r, c in enumerate(cols):
+        m = maps.get(c.keys_digest)
+        if m is None:
+            m = maps[c.keys_digest] = np.array([kid.get(key, -1) for key in c.keys] or [0], np.int64)
+            if (m < 0).any():
+                return None  # an item of a tensor no rank describes
+        a, b = starts[r], starts[r + 1]
+        g[a:b] = m[c.key]
+        w = c.offsets.shape[1]
+        off[a:b, :w] = c.offsets
+        size[a:b, :w] = c.sizes
+    ndim = np.concatenate([c.ndim for c in cols]) if n else np.zeros(0, np.int64)
+    nbytes = np.concatenate([c.nbytes for c in cols]) if n else np.zeros(0, np.int64)
+    crc = np.concatenate([c.checksum for c in cols]) if n else np.zeros(0, np.int64)
+    rank = np.repeat(np.arange(world), counts)
+    local = np.arange(n) - starts[:-1][rank]
+    if (ndim != nds[g]).any() or (size < 0).any():
+        return None
+
+    # bounds: every non-empty piece inside its tensor
+    nonempty = _rows_all(size > 0)
+    ext = np.take(shape, g, axis=0)
+    inside = _rows_all((off >= 0) & (off <= ext) & (size <= ext) & (off + size <= ext))
+    if (nonempty & ~inside).any():
+        return None
+    count = np.where(nonempty, _rows_prod(np.where(nonempty[:, None], size, 1)), 0)
+    if ((count == 0) != (nbytes == 0)).any():
+        return None
+
+    empty = np.flatnonzero(~nonempty & (crc >= 0))
+    if len(empty):  # replicas of an empty piece must agree too (they do, unless a checksum is wrong)
+        seen: dict[tuple, int] = {}
+        for p, t, o, s, c in zip(empty.tolist(), g[empty].tolist(), off[empty].tolist(), size[empty].tolist(),
+                                 crc[empty].tolist()):
+            if seen.setdefault((t, tuple(o), tuple(s)), c) != c:
+                return None
+    # per tensor, the dimension its pieces are split along: a piece spans its tensor in every other one
+    idx = np.flatnonzero(nonempty)
+    gi = g[idx]
+    full = (np.take(off, idx, axis=0) == 0) & (np.take(size, idx, axis=0) == np.take(ext, idx, axis=0))
+    nfull = _rows_sum(full)
+    piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, np.argmin(full, axis=1), -1))
+    dmin = np.full(k, width, np.int64)
+    dmax = np.full(k, -1, np.int64)
+    split = piece_dim < width
+    np.minimum.at(dmin, gi[split], piece_dim[split])
+    np.maximum.at(dmax, gi[split], piece_dim[split])
+    general = (dmin < 0) | ((dmax >= 0) & (dmax != dmin))
+    key_dim = np.where(dmin >= width, 0, np.maximum(dmin, 0))
+
+    # one-dimensional tensors: sort pieces by (tensor, start, length); equal neighbours are replicas
+    one = ~general[gi]
+    rows = idx[one]
+    g1 = gi[one]
+    d1 = key_dim[g1]
+    s1 = np.take(off.reshape(-1), rows * width + d1)
+    z1 = np.take(size.reshape(-1), rows * width + d1)
+    order = _sort3(g1, s1, z1)
+    rows, g1, s1, z1 = rows[order], g1[order], s1[order], z1[order]
+    first = np.ones(len(rows), bool)
+    first[1:] = (g1[1:] != g1[:-1]) | (s1[1:] != s1[:-1]) | (z1[1:] != z1[:-1])
+    heads = np.flatnonzero(first)
+    ug, us, uz = g1[heads], s1[heads], z1[heads]
+    if ((ug[1:] == ug[:-1]) & (us[1:] < us[:-1] + uz[:-1])).any():
+        return None  # overlap
+    covered = np.zeros(k, np.int64)
+    np.add.at(covered, ug, count[rows[heads]])
+    if (covered[~general] != spec_numel[~general]).any():
+        return None  # a gap
+    sizes_of = np.diff(np.append(heads, len(rows)))
+    if (crc[rows] >= 0).any() and (sizes_of > 1).any():
+        c = crc[rows]
+        lo = np.minimum.reduceat(np.where(c >= 0, c, 1 << 40), heads)
+        hi = np.maximum.reduceat(c, heads)
+        if ((hi >= 0) & (lo != hi)).any():
+            return None  # diverged replicas
+
+    # writers: a piece held once is written by its holder; replicas go largest first to the least loaded
+    single = heads[sizes_of == 1]
+    writers = [rows[single]]
+    load = np.zeros(world, np.int64)
+    np.add.at(load, rank[rows[single]], nbytes[rows[single]])
+    groups: list[tuple[int, int, int, list[int]]] = []  # (nbytes, tensor, first position, holders)
+    multi = np.flatnonzero(sizes_of > 1)
+    if len(multi):
+        rl = rows.tolist()
+        hs, ls = heads[multi].tolist(), (heads[multi] + sizes_of[multi]).tolist()
+        for h, e in zip(hs, ls):
+            groups.append((int(nbytes[rl[h]]), int(g1[h]), rl[h], rl[h:e]))
+    gen_keys = np.flatnonzero(general)
+    if len(gen_keys):
+        more = _general_groups(keys, tensors, gen_keys, idx[general[gi]], g, off, size, crc, nbytes, nds)
+        if more is None:
+            return None
+        for grp in more:
+            if len(grp[3]) == 1:
+                writers.append(np.array(grp[3], np.int64))
+                load[rank[grp[3][0]]] += grp[0]
+            else:
+                groups.append(grp)
+    if groups:
+        groups.sort(key=lambda x: (-x[0], x[1], x[2]))
+        lload = load.tolist()
+        rk = rank.tolist()
+        chosen = []
+        for nb, _, _, holders in groups:
+            w = min(holders, key=lambda p: (lload[rk[p]], rk[p]))
+            lload[rk[w]] += nb
+            chosen.append(w)
+        load = np.array(lload, np.int64)
+        writers.append(np.array(chosen, np.int64))
+    is_writer = np.zeros(n, bool)
+    is_writer[np.concatenate(writers)] = True
+    written = np.flatnonzero(is_writer)
+    bounds = np.searchsorted(rank[written], np.arange(world + 1))
+    ranks = tuple(RankWritePlan(r, save_id, _pack_columns(save_id, r, local[written[bounds[r]:bounds[r + 1]]],
+                                                          nbytes[written[bounds[r]:bounds[r + 1]]],
+                                                          options.max_file_bytes))
+                  for r in range(world))
+    return GlobalSavePlan(save_id, world, tensors, values, ranks, tuple(load.tolist()))
+
+
+def _rows_all(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].copy()
+    for j in range(1, m.shape[1]):
+        out &= m[:, j]
+    return out
+
+
+def _rows_prod(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].copy()
+    for j in range(1, m.shape[1]):
+        out *= m[:, j]
+    return out
+
+
+def _rows_sum(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].astype(np.int64)
+    for j in range(1, m.shape[1]):
+        out += m[:, j]
+    return out
+
+
+def _sort3(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Stable order by (a, b, c) of non-negative integer arrays: one sort of a packed key where it fits."""
+    if not len(a):
+        return np.zeros(0, np.int64)
+    bits = [max(1, int(x.max()).bit_length()) for x in (a, b, c)]
+    if sum(bits) <= 63:
+        packed = (a << (bits[1] + bits[2])) | (b << bits[2]) | c
+        return np.argsort(packed, kind="stable")
+    return np.lexsort((c, b, a))
+
+
+def _general_groups(keys, tensors, gen_keys, pieces, g, off, size, crc, nbytes, nds):
+    """Tensors split along several dimensions: group identical boxes and check the tiling box by box.
+    Returns (nbytes, tensor, first position, holders) per distinct box, or None on any problem."""
+    boxes: dict[int, dict[tuple, list[int]]] = {int(t): {} for t in gen_keys}
+    gl, ol, sl = g[pieces].tolist(), off[pieces].tolist(), size[pieces].tolist()
+    for p, t, o, s in zip(pieces.tolist(), gl, ol, sl):
+        nd = int(nds[t])
+        boxes[t].setdefault((tuple(o[:nd]), tuple(s[:nd])), []).append(p)
+    out = []
+    for t, bx in boxes.items():
+        if _tiling_problems(keys[t], tuple(tensors[keys[t]].shape), list(bx)):
+            return None
+        for (o, s), holders in bx.items():
+            sums = {int(crc[p]) for p in holders} - {-1}
+            if len(sums) > 1:
+                return None
+            out.append((int(nbytes[holders[0]]), t, holders[0], holders))
+    return out
+
+
+def _pack_columns(save_id: str, rank: int, items: np.ndarray, nbytes: np.ndarray, max_bytes: int) -> FileTable:
+    """``_pack_files`` on arrays: the next file starts at the first piece that would end past max_bytes."""
+    n = len(items)
+    aligned = -(-nbytes // ALIGN) * ALIGN
+    before = np.cumsum(aligned) - aligned  # where each piece would start in one long file
+    ends = before + nbytes                 # non-decreasing, as aligned >= nbytes
+    heads = [0] if n else []
+    while heads:
+        s = heads[-1]
+        nxt = max(int(np.searchsorted(ends, before[s] + max_bytes, side="right")), s + 1)
+        if nxt >= n:
+            break
+        heads.append(nxt)
+    bounds = heads + [n]
+    file_of = np.repeat(np.arange(len(heads)), np.diff(bounds)) if n else np.zeros(0, np.int64)
+    offsets = before - before[np.array(heads, np.int64)][file_of] if n else before
+    names = [f"data/{save_id}/r{rank:05d}-f{f:03d}.bin" for f in range(len(heads))]
+    return FileTable(names, items, offsets, bounds)
 
 
 def _agree_on_tensors(local_plans: Sequence[LocalSavePlan]) -> dict[str, TensorSpec]:
@@ -174,3 +427,79 @@ def _pack_files(save_id: str, rank: int, lp: LocalSavePlan, items: list[int], ma
         pos += -(-nbytes // ALIGN) * ALIGN
     flush()
     return tuple(files)
+
+
+def chunk_tables(gp: GlobalSavePlan, local_plans: Sequence[LocalSavePlan],
+                 checksums: Sequence[np.ndarray] | None = None,
+                 block_checksums: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> dict[str, ChunkTable]:
+    """The chunk table of every tensor once each rank has written its part of ``gp``, built from
+    the plans' columns: what the commit step records, with no object per piece.
+
+    ``checksums[r]`` holds the CRC32C of rank r's slots in the order of its ``files`` (zeros
+    when None); ``block_checksums[r]`` is ``(values, bounds)`` for them, in the same order
+    (needed only where a piece is larger than one checksum block). Chunks are sorted by offsets.
+    """
+    keys = list(gp.tensors)
+    kid = {key: i for i, key in enumerate(keys)}
+    files: list[str] = []
+    parts: dict[str, list] = {n: [] for n in ("key", "off", "size", "file", "boff", "nbytes", "crc", "blen", "bval")}
+    maps: dict[bytes, np.ndarray] = {}
+    width = max([1, *(len(s.shape) for s in gp.tensors.values())])
+    for rp in gp.ranks:
+        cols = local_plans[rp.rank].columns
+        ft = rp.files
+        if not isinstance(ft, FileTable):
+            names = [name for name, _ in ft]
+            ft = FileTable(names, np.array([s.item for _, slots in ft for s in slots], np.int64),
+                           np.array([s.byte_offset for _, slots in ft for s in slots], np.int64),
+                           np.cumsum([0] + [len(slots) for _, slots in ft]).tolist())
+        items = ft.items
+        n = len(items)
+        m = maps.get(cols.keys_digest)
+        if m is None:
+            m = maps[cols.keys_digest] = np.array([kid[key] for key in cols.keys] or [0], np.int64)
+        w = min(width, cols.offsets.shape[1])
+        off = np.zeros((n, width), np.int64)
+        size = np.ones((n, width), np.int64)
+        off[:, :w] = cols.offsets[items, :w]
+        size[:, :w] = cols.sizes[items, :w]
+        parts["key"].append(m[cols.key[items]])
+        parts["off"].append(off)
+        parts["size"].append(size)
+        parts["file"].append(len(files) + np.repeat(np.arange(len(ft.names)), np.diff(ft.bounds)))
+        files.extend(ft.names)
+        parts["boff"].append(ft.byte_offsets)
+        parts["nbytes"].append(cols.nbytes[items])
+        parts["crc"].append(np.zeros(n, np.int64) if checksums is None else np.asarray(checksums[rp.rank], np.int64))
+        if block_checksums is None:
+            parts["blen"].append(np.zeros(n, np.int64))
+        else:
+            values, bounds = block_checksums[rp.rank]
+            parts["blen"].append(np.diff(np.asarray(bounds, np.int64)))
+            parts["bval"].append(np.asarray(values, np.uint32))
+    cat = {name: np.concatenate(p) if p else np.zeros(0, np.int64) for name, p in parts.items()}
+    n = len(cat["key"])
+    off = cat["off"].reshape(n, width) if n else np.zeros((0, width), np.int64)
+    size = cat["size"].reshape(n, width) if n else np.zeros((0, width), np.int64)
+    if block_checksums is None and n and (cat["nbytes"] > BLOCK_BYTES).any():
+        raise ValueError(f"pieces larger than {BLOCK_BYTES} bytes need their block checksums")
+    order = np.lexsort([off[:, d] for d in range(width - 1, -1, -1)] + [cat["key"]])
+    bounds = np.zeros(n + 1, np.int64)
+    np.cumsum(cat["blen"], out=bounds[1:])
+    bval = cat["bval"].astype(np.uint32) if len(cat["bval"]) else np.zeros(0, np.uint32)
+    blen = cat["blen"][order]
+    if len(bval):
+        bval = bval[np.repeat(bounds[:-1][order] - (np.cumsum(blen) - blen), blen) + np.arange(int(blen.sum()))]
+    bounds = np.zeros(n + 1, np.int64)
+    np.cumsum(blen, out=bounds[1:])
+    key = cat["key"][order]
+    off, size = np.take(off, order, axis=0), np.take(size, order, axis=0)
+    file, boff, nbytes, crc = (cat[name][order] for name in ("file", "boff", "nbytes", "crc"))
+    rows = np.searchsorted(key, np.arange(len(keys) + 1))
+    out = {}
+    for i, name in enumerate(keys):
+        a, b = int(rows[i]), int(rows[i + 1])
+        nd = len(gp.tensors[name].shape)
+        out[name] = ChunkTable(off[a:b, :nd], size[a:b, :nd], files, file[a:b], boff[a:b], nbytes[a:b], crc[a:b],
+                               bval, bounds[a:b + 1])
+    return out

@@ -13,15 +13,24 @@ Load, for any N saved -> M loading:
   2. the coordinator calls ``plan_load(sources, local_plans)`` -> one
      :class:`RankLoadPlan` per rank: which source chunks it reads (each needed
      source byte read by exactly one rank) and where each part goes.
+
+At scale (a million pieces) the coordinator works on arrays, not a Python object per piece (grid
+splits, which need a box-by-box check, are the exception): local plans also carry their items as arrays (:class:`ItemColumns`, built with the plan on its rank), and
+the plans it returns hold arrays that read as the tuples above on first use (:class:`FileTable`
+for ``RankWritePlan.files``, :class:`ReadTable` for ``RankLoadPlan.reads``).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 __all__ = [
     "TensorSpec", "WriteItem", "LocalSavePlan", "FileSlot", "RankWritePlan", "GlobalSavePlan",
     "ReadItem", "LocalLoadPlan", "SourceChunk", "Delivery", "ChunkRead", "RankLoadPlan",
+    "ItemColumns", "FileTable", "ReadTable", "StoredChunks",
 ]
 
 
@@ -49,6 +58,11 @@ class LocalSavePlan:
     items: tuple[WriteItem, ...]
     values: Mapping[str, Any]
 
+    def __post_init__(self) -> None:
+        # the plan as columns, built where the plan is built (on its rank), so the coordinator
+        # plans with array operations instead of a Python object per piece
+        object.__setattr__(self, "columns", ItemColumns.of(self.tensors, self.items, with_bytes=True))
+
 
 @dataclass(frozen=True, slots=True)
 class FileSlot:
@@ -63,7 +77,7 @@ class FileSlot:
 class RankWritePlan:
     rank: int
     save_id: str
-    files: tuple[tuple[str, tuple[FileSlot, ...]], ...]  # file name -> slots in file order
+    files: Sequence[tuple[str, tuple[FileSlot, ...]]]  # file name -> slots in file order (a tuple or FileTable)
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,9 @@ class LocalLoadPlan:
     items: tuple[ReadItem, ...]
     values: tuple[str, ...]            # plain-value keys the rank wants
     strict: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", ItemColumns.of(self.tensors, self.items, with_bytes=False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +147,193 @@ class ChunkRead:
 @dataclass(frozen=True)
 class RankLoadPlan:
     rank: int
-    reads: tuple[ChunkRead, ...]   # chunks this rank reads and delivers from
+    reads: Sequence[ChunkRead]     # chunks this rank reads and delivers from (a tuple or ReadTable)
     incoming: int                  # deliveries from other ranks this rank will receive
     values: Mapping[str, Any]
     bytes_read: int
     bytes_needed: int
+
+
+# ----------------------------------------------------------------------------- columnar forms
+
+class ItemColumns:
+    """The items of a local plan as arrays: item i is the box ``offsets[i, :ndim[i]]``,
+    ``sizes[i, :ndim[i]]`` of key ``keys[key[i]]``; boxes are padded to ``width`` dimensions
+    with offset 0 and size 1. ``nbytes`` and ``checksum`` (-1: none) for save plans.
+    ``signature`` is a BLAKE2b digest of the sorted (key, dtype, shape) of the plan's tensors and
+    ``keys_digest`` one of ``keys``: ranks that agree on every tensor have equal signatures, so the
+    coordinator compares 16 bytes per rank instead of every tensor of every rank."""
+
+    __slots__ = ("keys", "keys_digest", "key", "ndim", "offsets", "sizes", "nbytes", "checksum", "signature")
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, TensorSpec], items: Sequence, *, with_bytes: bool) -> "ItemColumns":
+        c = cls()
+        n = len(items)
+        index: dict[str, int] = {}
+        c.key = np.fromiter((index.setdefault(it.key, len(index)) for it in items), np.int64, n)
+        c.keys = tuple(index)
+        c.keys_digest = _digest(c.keys)
+        c.ndim = np.fromiter((len(it.offsets) for it in items), np.int64, n)
+        width = max(1, int(c.ndim.max()) if n else 1)
+        c.offsets = np.zeros((n, width), np.int64)
+        c.sizes = np.ones((n, width), np.int64)
+        try:
+            if n and (c.ndim == width).all() and all(len(it.sizes) == width for it in items):
+                c.offsets[:] = [it.offsets for it in items]
+                c.sizes[:] = [it.sizes for it in items]
+            else:
+                for i, it in enumerate(items):
+                    if len(it.sizes) != len(it.offsets):
+                        raise ValueError("offsets and sizes differ in length")
+                    c.offsets[i, :len(it.offsets)] = it.offsets
+                    c.sizes[i, :len(it.sizes)] = it.sizes
+        except (ValueError, TypeError, OverflowError):
+            c.ndim = np.full(n, -1, np.int64)  # not representable: the planners take the general path
+        if with_bytes:
+            c.nbytes = np.fromiter((it.nbytes for it in items), np.int64, n)
+            c.checksum = np.fromiter((-1 if it.checksum is None else it.checksum for it in items), np.int64, n)
+        else:
+            c.nbytes = c.checksum = None
+        c.signature = _digest(sorted((str(k), str(s.dtype), tuple(int(x) for x in s.shape))
+                                     for k, s in tensors.items()))
+        return c
+
+
+def _digest(obj) -> bytes:
+    return hashlib.blake2b(repr(obj).encode(), digest_size=16).digest()
+
+
+class _Lazy(Sequence):
+    """A read-only sequence built from arrays, materialised into a tuple on first use."""
+
+    __slots__ = ("_objs",)
+
+    def _build(self) -> tuple:
+        raise NotImplementedError
+
+    def _all(self) -> tuple:
+        if self._objs is None:
+            self._objs = self._build()
+        return self._objs
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __eq__(self, other):
+        if isinstance(other, (Sequence)) and not isinstance(other, (str, bytes)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
+class FileTable(_Lazy):
+    """A rank's write plan as arrays: file f holds the slots ``bounds[f]:bounds[f + 1]``, slot j
+    writes the rank's item ``items[j]`` at ``byte_offsets[j]``; reads as ``((name, slots), ...)``."""
+
+    __slots__ = ("names", "items", "byte_offsets", "bounds")
+
+    def __init__(self, names: list[str], items: np.ndarray, byte_offsets: np.ndarray, bounds: list[int]):
+        self.names, self.items, self.byte_offsets, self.bounds = names, items, byte_offsets, bounds
+        self._objs = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def _build(self) -> tuple:
+        items, offs, b = self.items.tolist(), self.byte_offsets.tolist(), self.bounds
+        return tuple((name, tuple(FileSlot(i, name, o) for i, o in zip(items[b[f]:b[f + 1]], offs[b[f]:b[f + 1]])))
+                     for f, name in enumerate(self.names))
+
+    def __reduce__(self):
+        return (FileTable, (self.names, self.items, self.byte_offsets, self.bounds))
+
+
+class ReadTable(_Lazy):
+    """A rank's reads as arrays; reads as a tuple of :class:`ChunkRead`.
+
+    Read i is source chunk i (key ``keys[key[i]]``, box ``offsets[i]``/``sizes[i]`` cut to the key's
+    ``ndims``, stored at ``files[file[i]]`` / ``byte_offset[i]``, ``checksum[i]`` (-1: none), block
+    checksums ``block_values[block_bounds[i]:block_bounds[i + 1]]``) or, where ``sources`` is given,
+    the SourceChunk ``sources[i]``; its deliveries are ``delivery_bounds[i]:delivery_bounds[i + 1]``
+    of ``d_rank``, ``d_item``, ``d_offsets``, ``d_sizes``."""
+
+    __slots__ = ("keys", "dtypes", "ndims", "files", "key", "offsets", "sizes", "file", "byte_offset", "nbytes",
+                 "checksum", "block_values", "block_bounds", "sources", "delivery_bounds", "d_rank", "d_item",
+                 "d_offsets", "d_sizes")
+
+    def __init__(self, **fields):
+        for name in self.__slots__:
+            setattr(self, name, fields.get(name))
+        self._objs = None
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def _build(self) -> tuple:
+        nds = [int(x) for x in self.ndims]
+        key = self.key.tolist()
+        db = self.delivery_bounds.tolist()
+        d_rank, d_item = self.d_rank.tolist(), self.d_item.tolist()
+        d_off, d_size = self.d_offsets.tolist(), self.d_sizes.tolist()
+        if self.sources is not None:
+            srcs = self.sources
+        else:
+            off, size = self.offsets.tolist(), self.sizes.tolist()
+            bv, bb = self.block_values.tolist(), self.block_bounds.tolist()
+            file, boff = self.file.tolist(), self.byte_offset.tolist()
+            nb, crc = self.nbytes.tolist(), self.checksum.tolist()
+            srcs = []
+            for i, k in enumerate(key):
+                nd = nds[k]
+                srcs.append(SourceChunk(self.keys[k], self.dtypes[k], tuple(off[i][:nd]), tuple(size[i][:nd]),
+                                        self.files[file[i]], boff[i], nb[i], None if crc[i] < 0 else crc[i],
+                                        tuple(bv[bb[i]:bb[i + 1]])))
+        out = []
+        for i, k in enumerate(key):
+            nd = nds[k]
+            out.append(ChunkRead(srcs[i], tuple(
+                Delivery(d_rank[j], d_item[j], tuple(d_off[j][:nd]), tuple(d_size[j][:nd]))
+                for j in range(db[i], db[i + 1]))))
+        return tuple(out)
+
+    def __reduce__(self):
+        return (_read_table, ({name: getattr(self, name) for name in self.__slots__},))
+
+
+def _read_table(fields: dict) -> ReadTable:
+    return ReadTable(**fields)
+
+
+class StoredChunks(_Lazy):
+    """The stored chunks of one tensor as a sequence of :class:`SourceChunk`, over the columns of
+    its metadata (a :class:`raydcp.metadata.ChunkTable`); the load planner reads the columns."""
+
+    __slots__ = ("key", "dtype", "table")
+
+    def __init__(self, key: str, dtype: str, table):
+        self.key, self.dtype, self.table = key, dtype, table
+        self._objs = None
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def _source(self, c) -> SourceChunk:
+        return SourceChunk(self.key, self.dtype, c.offsets, c.sizes, c.file, c.byte_offset, c.nbytes, c.checksum,
+                           c.block_checksums)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice) or self._objs is not None:
+            return self._all()[i]
+        return self._source(self.table[i])
+
+    def _build(self) -> tuple:
+        return tuple(self._source(c) for c in self.table)
