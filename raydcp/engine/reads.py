@@ -214,16 +214,18 @@ class FileChunkReader(ChunkReader):
             buf = np.empty(size, np.uint8)
             view = memoryview(buf)
             base = buf.ctypes.data
-            runs: list[list[int]] = []  # [file offset, buffer offset, length] of each read
-            pos = 0
+            requests = []  # (file offset, where in the buffer) of each read of touching chunks
+            start = pos = end = 0
             for off, nb, _, _, _ in batch:
-                if runs and runs[-1][0] + runs[-1][2] == off:
-                    runs[-1][2] += nb
-                else:
-                    runs.append([off, pos, nb])
+                if off != end:
+                    if pos > start:
+                        requests.append((end - (pos - start), view[start:pos]))
+                    start = pos
                 pos += nb
+                end = off + nb
+            requests.append((end - (pos - start), view[start:pos]))
             try:
-                self.storage.read_into_many(name, [(off, view[p:p + nb]) for off, p, nb in runs])
+                self.storage.read_into_many(name, requests)
             except CheckpointError:
                 for _, nb, _, dest, ref in batch:  # name the first chunk that cannot be read
                     self._read_part(resolve(ref) if resolve else ref, memoryview(_host_bytes(dest)), 0, nb)

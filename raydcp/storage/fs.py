@@ -224,7 +224,11 @@ class CheckpointStorage:
         todo: list[tuple[int, memoryview]] = []
         end = 0
         for start, out in requests:
-            view = byte_view(out, writable=True)
+            if type(out) is memoryview and out.format == "B" and out.ndim == 1 and out.c_contiguous \
+                    and not out.readonly:
+                view = out  # already what byte_view would make of it
+            else:
+                view = byte_view(out, writable=True)
             if not isinstance(start, int) or start < 0:
                 raise CheckpointError(
                     f"read_into {self.file_url(name)}: start must be an integer >= 0, got {start!r}")
