@@ -60,8 +60,7 @@ def test_round_trip_through_every_read_path(tmp_path):
     stats = raydcp.load(dest, tmp_path / "ck")
     assert stats.bytes_read == stats.bytes_needed
     for k, v in sd.items():
-        assert torch.equal(dest[k].detach().view(torch.uint8) if v.dtype == torch.bfloat16 else dest[k].detach(),
-                           v.detach().view(torch.uint8) if v.dtype == torch.bfloat16 else v.detach()), k
+        assert torch.equal(dest[k].detach(), v.detach()), k
 
 
 def flip(path, pos):
@@ -111,3 +110,19 @@ def test_a_partial_read_of_a_large_chunk_checks_only_the_blocks_it_reads(tmp_pat
     part = {"t": raydcp.Shard(torch.zeros(2, MIB, dtype=torch.uint8), (3, 0), (6, MIB))}
     with pytest.raises(CheckpointError, match=rf"t: checksum mismatch .* at bytes {c.byte_offset + 4 * MIB}\."):
         raydcp.load(part, tmp_path / "ck", strict=False)
+
+
+def test_reads_given_as_chunk_objects_take_the_same_paths(tmp_path, monkeypatch):
+    """A plan whose reads are a plain sequence of ChunkRead (not columns) reads alike."""
+    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out: None)
+    sd = odd_state()
+    raydcp.save(sd, tmp_path / "ck")
+    dest = {k: torch.zeros_like(v.detach()) for k, v in sd.items()}
+    stats = raydcp.load(dest, tmp_path / "ck")
+    assert stats.bytes_read == stats.bytes_needed
+    assert all(torch.equal(dest[k], v.detach()) for k, v in sd.items())
+    md = raydcp.read_metadata(tmp_path / "ck")
+    c = md.tensors["small.7"].chunks[0]
+    flip(tmp_path / "ck" / c.file, c.byte_offset)
+    with pytest.raises(CheckpointError, match=r"small\.7: checksum mismatch"):
+        raydcp.load({k: torch.zeros_like(v.detach()) for k, v in sd.items()}, tmp_path / "ck")
