@@ -63,6 +63,10 @@ class TrainState:
             raise CheckpointError(f"TrainState: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if scheduler is not None and not callable(getattr(scheduler, "state_dict", None)):
             raise CheckpointError(f"TrainState: scheduler {type(scheduler).__name__} has no state_dict()")
+        # torch's state-dict helpers take seconds to import the first time: pay that here, at
+        # set-up, rather than inside the first checkpoint's stall
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
