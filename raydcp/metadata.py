@@ -93,8 +93,8 @@ class ChunkTable(Sequence):
     def _all(self) -> tuple[ChunkMeta, ...]:
         if self._objs is None:
             files = self.files
-            bv = self.block_values.tolist()
             bb = self.block_bounds.tolist()
+            bv = self.block_values[bb[0]:bb[-1]].tolist() if len(bb) > 1 else []
             base = bb[0] if bb else 0
             self._objs = tuple(
                 ChunkMeta(o, s, files[f], b, n, c, tuple(bv[lo - base:hi - base]))

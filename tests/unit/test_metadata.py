@@ -139,3 +139,14 @@ def test_rows_out_of_tensor_order_decode_on_the_general_path():
     assert [f.name for f in _SCHEMA_FIELDS][0] == "tensor"
     back = decode_metadata(_envelope(cols, header))
     assert back.tensors["w"] == md.tensors["w"] and back.tensors["z"] == md.tensors["z"]
+
+
+def test_block_checksums_of_every_tensor_survive_decoding():
+    """Each tensor's chunks index one shared column of block checksums."""
+    n = BLOCK + 1
+    tensors = {f"t{i}": TensorMeta("uint8", (n,), (ChunkMeta((0,), (n,), "f", i * 2 * BLOCK, n, i,
+                                                           (100 + i, 200 + i)),))
+               for i in range(3)}
+    back = decode_metadata(encode_metadata(Metadata("x", 1, 0.0, tensors, {})))
+    assert [c.block_checksums for t in back.tensors.values() for c in t.chunks] == [(100, 200), (101, 201), (102, 202)]
+    assert [back.tensors[k].chunks[0].block_checksums for k in tensors] == [(100, 200), (101, 201), (102, 202)]
