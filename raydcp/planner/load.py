@@ -297,16 +297,42 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         gq, gc = _general_pairs(gen_q, q_key, q_off, q_size, s_off, s_size, cstart, c_live)
         p_q, p_c = np.concatenate([p_q, gq]), np.concatenate([p_c, gc])
 
-    # ---- the part of the chunk each request needs
-    qo, co = _take(q_off, p_q), _take(s_off, p_c)
-    box_lo = np.maximum(qo, co)
-    box_sz = np.minimum(qo + _take(q_size, p_q), co + _take(s_size, p_c)) - box_lo
-    del qo, co
-    ok = _rows_all(box_sz > 0)
-    if not ok.all():
-        keep = np.flatnonzero(ok)
-        p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], _take(box_lo, keep), _take(box_sz, keep)
-    p_numel = _rows_prod(box_sz)
+    # ---- the part of the chunk each request needs. Where every request of a one-dimensional key
+    # lies inside its tensor in the other dimensions, the part differs from the request only along
+    # the split dimension: keep that (1-D arrays) and build the boxes once, in the output order.
+    other_ok = np.ones(len(q1), bool)
+    for e in range(width):
+        qe_lo, qe_n = q_off[:, e][q1], q_size[:, e][q1]
+        other_ok &= (d1 == e) | ((qe_lo >= 0) & (qe_lo + qe_n <= ext[:, e][k1]))
+    if not len(gen_q) and other_ok.all():
+        p_d = np.repeat(d1, n_c)
+        c_lo = _pick(s_off, p_c, p_d)
+        q_lo = np.repeat(q1_off, n_c)
+        lo_d = np.maximum(q_lo, c_lo)
+        sz_d = np.minimum(q_lo + np.repeat(q1_size, n_c), c_lo + _pick(s_size, p_c, p_d)) - lo_d
+        del c_lo, q_lo
+        p_numel = np.repeat(q_numel[q1] // q1_size, n_c) * sz_d
+
+        def boxes(sel):
+            rows = p_q if sel is None else p_q[sel]
+            lo, sz = _take(q_off, rows), _take(q_size, rows)
+            at = np.arange(len(rows)) * width + (p_d if sel is None else p_d[sel])
+            lo.reshape(-1)[at] = lo_d if sel is None else lo_d[sel]
+            sz.reshape(-1)[at] = sz_d if sel is None else sz_d[sel]
+            return lo, sz
+    else:
+        qo, co = _take(q_off, p_q), _take(s_off, p_c)
+        box_lo = np.maximum(qo, co)
+        box_sz = np.minimum(qo + _take(q_size, p_q), co + _take(s_size, p_c)) - box_lo
+        del qo, co
+        ok = _rows_all(box_sz > 0)
+        if not ok.all():
+            keep = np.flatnonzero(ok)
+            p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], _take(box_lo, keep), _take(box_sz, keep)
+        p_numel = _rows_prod(box_sz)
+
+        def boxes(sel):
+            return (box_lo, box_sz) if sel is None else (_take(box_lo, sel), _take(box_sz, sel))
     covered = np.bincount(p_q, weights=p_numel, minlength=nq) if len(p_q) else np.zeros(nq)
     gaps = known & (covered != q_numel)
     if gaps.any():
@@ -350,11 +376,12 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
             nd = max(int(nd_key[k]), 0)
             grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()
             co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
-            boxes = {(tuple(box_lo[x, :nd].tolist()), tuple(box_sz[x, :nd].tolist())) for x in grp}
-            if len(boxes) == 1:
+            glo, gsz = boxes(np.array(grp, np.int64))
+            parts = {(tuple(o[:nd]), tuple(z[:nd])) for o, z in zip(glo.tolist(), gsz.tolist())}
+            if len(parts) == 1:
                 sp_nread[j] = int(p_bytes[grp[0]])
             else:
-                runs = merge_runs([r for o, s in boxes for r in byte_runs(co, cs, o, s, int(isz[k]))])
+                runs = merge_runs([r for o, z in parts for r in byte_runs(co, cs, o, z, int(isz[k]))])
                 sp_nread[j] = sum(e - s for s, e in runs)
             ranks = {int(p_rank[x]) for x in grp}
             if len(ranks) == 1 and not live_chunk[c]:
@@ -387,6 +414,7 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     # ---- each rank's reads: the chunks only it needs (in the order of its requests), then the
     # special ones it reads (in chunk order); placed by counting, without sorting all the pairs
     sr = p_rank[single]
+    in_order = not len(sp) and not (len(sr) and (sr[1:] < sr[:-1]).any())
     if len(sr) and (sr[1:] < sr[:-1]).any():
         single = single[np.argsort(sr, kind="stable")]
         sr = p_rank[single]
@@ -398,10 +426,13 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     nreads = int(rb[-1])
     single_start = np.zeros(world + 1, np.int64)
     np.cumsum(n_single, out=single_start[1:])
-    pos_single = rb[:-1][sr] + np.arange(len(single)) - single_start[:-1][sr]
+    pos_single = None if in_order else rb[:-1][sr] + np.arange(len(single)) - single_start[:-1][sr]
     dcount = np.ones(nreads, np.int64)
-    rchunk = np.empty(nreads, np.int64)
-    rchunk[pos_single] = p_c[single]
+    if in_order:
+        rchunk = p_c
+    else:
+        rchunk = np.empty(nreads, np.int64)
+        rchunk[pos_single] = p_c[single]
     if len(sp_heads):
         rdr = sp_reader[sp_order]
         sp_start = np.zeros(world + 1, np.int64)
@@ -411,17 +442,19 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         dcount[pos_sp] = sp_count[sp_order]
     pb = np.zeros(nreads + 1, np.int64)
     np.cumsum(dcount, out=pb[1:])
-    pairs = np.empty(npairs, np.int64)
-    pairs[pb[:-1][pos_single]] = single
+    pairs = None if in_order else np.empty(npairs, np.int64)  # None: the pairs as they are
+    if pairs is not None:
+        pairs[pb[:-1][pos_single]] = single
     if len(sp_heads):
         cnt = sp_count[sp_order]
         first = np.repeat(pb[:-1][pos_sp] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
         src = np.repeat(sp_heads[sp_order] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
         pairs[first] = sp[src]
 
+    d_lo, d_sz = boxes(pairs)
     cols = {"key": s_key[rchunk], "offsets": _take(s_off, rchunk), "sizes": _take(s_size, rchunk),
-            "nbytes": s_nbytes[rchunk], "d_rank": p_rank[pairs], "d_item": q_item[p_q[pairs]],
-            "d_offsets": _take(box_lo, pairs), "d_sizes": _take(box_sz, pairs)}
+            "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
+            "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz}
     if stored:
         files = list(file_index)
         bl = s_blen[rchunk]

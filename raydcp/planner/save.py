@@ -205,8 +205,8 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
     ug, us, uz = g1[heads], s1[heads], z1[heads]
     if ((ug[1:] == ug[:-1]) & (us[1:] < us[:-1] + uz[:-1])).any():
         return None  # overlap
-    covered = np.zeros(k, np.int64)
-    np.add.at(covered, ug, count[rows[heads]])
+    covered = np.bincount(ug, weights=count[rows[heads]], minlength=k).astype(np.int64) if len(ug) else \
+        np.zeros(k, np.int64)  # exact: a tensor has fewer than 2**53 elements
     if (covered[~general] != spec_numel[~general]).any():
         return None  # a gap
     sizes_of = np.diff(np.append(heads, len(rows)))
@@ -220,8 +220,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
     # writers: a piece held once is written by its holder; replicas go largest first to the least loaded
     single = heads[sizes_of == 1]
     writers = [rows[single]]
-    load = np.zeros(world, np.int64)
-    np.add.at(load, rank[rows[single]], nbytes[rows[single]])
+    load = np.bincount(rank[writers[0]], weights=nbytes[writers[0]], minlength=world).astype(np.int64)
     groups: list[tuple[int, int, int, list[int]]] = []  # (nbytes, tensor, first position, holders)
     multi = np.flatnonzero(sizes_of > 1)
     if len(multi):
