@@ -12,7 +12,7 @@ import torch
 
 from ..codec import checksum, combine_block_checksums
 from ..errors import CheckpointError, RankFailure
-from ..metadata import BLOCK_BYTES, ChunkMeta, Metadata, TensorMeta, encode_metadata
+from ..metadata import BLOCK_BYTES, ChunkTable, Metadata, TensorMeta, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
@@ -180,15 +180,11 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
 def _reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Sequence[tuple]) -> list:
     header = values[0][1]
     save_id, world_size, tensors, plain = header
-    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in tensors}
-    for records, _ in values:
-        for key, offsets, sizes, file, off, nbytes, crc, blocks in records:
-            chunks[key].append(ChunkMeta(offsets, sizes, file, off, nbytes, crc, blocks))
     md = Metadata(
         save_id=save_id,
         world_size=world_size,
         created_at=time.time(),
-        tensors={k: TensorMeta(s.dtype, s.shape, _by_offsets(chunks[k])) for k, s in tensors.items()},
+        tensors=_tensor_metas(tensors, [rec for records, _ in values for rec in records]),
         values=plain,
     )
     storage = CheckpointStorage(checkpoint_id, storage_options)
@@ -200,8 +196,52 @@ def _reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Seq
     return [md] * len(values)
 
 
-def _by_offsets(chunks: list[ChunkMeta]) -> tuple[ChunkMeta, ...]:
-    return tuple(chunks) if len(chunks) < 2 else tuple(sorted(chunks, key=lambda c: c.offsets))
+def _tensor_metas(tensors: dict[str, TensorSpec], records: list[tuple]) -> dict[str, TensorMeta]:
+    """Every tensor's metadata from the ranks' storage records, its chunks sorted by offsets and
+    held as columns (a ChunkTable over arrays shared by all tensors: no object per chunk)."""
+    keys = list(tensors)
+    n = len(records)
+    if n == 0:
+        return {k: TensorMeta(s.dtype, s.shape, ()) for k, s in tensors.items()}
+    kid = {k: i for i, k in enumerate(keys)}
+    width = max(1, *(len(s.shape) for s in tensors.values()))
+    rkey, roff, rsize, rfile, rboff, rnbytes, rcrc, rblocks = zip(*records)
+    key = np.fromiter((kid[k] for k in rkey), np.int64, n)
+    if all(len(o) == width for o in roff):
+        off, size = np.array(roff, np.int64).reshape(n, width), np.array(rsize, np.int64).reshape(n, width)
+    else:  # tensors of fewer dimensions: pad their boxes (offset 0, size 1)
+        off, size = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
+        for i, (o, sz) in enumerate(zip(roff, rsize)):
+            off[i, :len(o)], size[i, :len(sz)] = o, sz
+    names: dict[str, int] = {}
+    file = np.fromiter((names.setdefault(f, len(names)) for f in rfile), np.int64, n)
+    blen = np.fromiter(map(len, rblocks), np.int64, n)
+    bval = np.fromiter((b for bl in rblocks for b in bl), np.uint32, int(blen.sum()))
+    order = np.lexsort([off[:, d] for d in range(width - 1, -1, -1)] + [key])
+    start = np.zeros(n + 1, np.int64)
+    np.cumsum(blen, out=start[1:])
+    blen = blen[order]
+    if len(bval):
+        bval = bval[np.repeat(start[:-1][order] - (np.cumsum(blen) - blen), blen) + np.arange(len(bval))]
+    bounds = np.zeros(n + 1, np.int64)
+    np.cumsum(blen, out=bounds[1:])
+    key, off, size, file = key[order], off[order], size[order], file[order]
+    boff, nbytes, crc = (np.array(c, np.int64)[order] for c in (rboff, rnbytes, rcrc))
+    files = list(names)
+    rows = np.searchsorted(key, np.arange(len(keys) + 1)).tolist()
+    blocks_at = bounds.tolist()
+    no_blocks = np.zeros(0, np.uint32)
+    out = {}
+    for i, (k, spec) in enumerate(tensors.items()):
+        a, b = rows[i], rows[i + 1]
+        nd = len(spec.shape)
+        lo, hi = blocks_at[a], blocks_at[b]
+        # each table gets its own block values, its bounds starting at 0
+        tb = (bval[lo:hi], bounds[a:b + 1] - lo) if hi > lo else (no_blocks, np.zeros(b - a + 1, np.int64))
+        out[k] = TensorMeta(spec.dtype, spec.shape,
+                            ChunkTable(off[a:b, :nd], size[a:b, :nd], files, file[a:b], boff[a:b], nbytes[a:b],
+                                       crc[a:b], *tb))
+    return out
 
 
 def save_with(
