@@ -6,7 +6,10 @@ two saved pieces). Tensor t has global shape (ranks * (1 + t % 4), 128 * (1 + t 
 
 raydcp, timed step by step (the coordinator's whole job for one save and one load):
   plan_save      raydcp.planner.plan_save(local_plans): validate, dedup, balance, pack files
-  build md       the Metadata the plan implies (one ChunkMeta per piece, as the commit step builds it)
+  build md       the Metadata the plan implies: raydcp.planner.chunk_tables(plan, local plans, the
+                 ranks' checksums) -> one ChunkTable (columns) per tensor. Also timed, outside the
+                 total: the same Metadata built with one ChunkMeta per piece ("build md, objects"),
+                 which is how engine/save.py's commit step builds it today
   encode         raydcp.metadata.encode_metadata(md)          -> bytes per piece
   decode         raydcp.metadata.decode_metadata(bytes)
   load plan      sources from the metadata + check_requests + raydcp.planner.plan_load (512 ranks)
@@ -17,6 +20,10 @@ torch DCP, on equivalent SavePlans (WriteItems with ChunkStorageMetadata):
   load plan      create_read_items_for_chunk_list per tensor: DCP plans loads on every rank, so the
                  per-rank time is measured on a sample of ranks and multiplied by the ranks for the
                  total (the CPU spent, in parallel across ranks, not on one coordinator)
+
+Local plans are built before the clock starts, as before: a rank builds its own plan, and since the
+columnar planner each LocalSavePlan / LocalLoadPlan also carries its items as arrays (ItemColumns,
+computed when the plan is constructed, on its rank).
 
 The process is pinned to one CPU (--cpus to change) and times are its CPU seconds: what a step
 costs on one idle core (wall time on a shared machine adds whatever else ran there). Linearity: the same steps at 1/4, 1/2 and
@@ -33,6 +40,7 @@ import argparse
 import gc
 import os
 import pickle
+import resource
 import sys
 import time
 from pathlib import Path
@@ -51,6 +59,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 WALL: dict[int, float] = {}
+SYS: dict[int, float] = {}
 
 
 def step(fn):
@@ -60,9 +69,11 @@ def step(fn):
     wall time on a shared machine adds whatever else ran on that core (kept in WALL, last step).
     """
     g0 = GC.cpu
+    s0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
     WALL[0] = time.perf_counter() - t0
+    SYS[0] = resource.getrusage(resource.RUSAGE_SELF).ru_stime - s0
     return time.process_time() - c0, GC.cpu - g0, out
 
 
@@ -115,8 +126,27 @@ def raydcp_load_plans(load_ranks: int, ranks: int, tensors: int) -> list[P.Local
     return plans
 
 
-def metadata_from_plan(gp: P.GlobalSavePlan, local_plans) -> Metadata:
-    """The metadata a commit of ``gp`` records (mirrors the engine's commit step)."""
+def rank_checksums(gp: P.GlobalSavePlan) -> list:
+    """Stand-ins for the CRC32C each rank returns for its slots (in the order of its files)."""
+    import numpy as np
+
+    out = []
+    for rp in gp.ranks:
+        n = len(rp.files.items) if isinstance(rp.files, P.FileTable) else sum(len(s) for _, s in rp.files)
+        out.append((np.arange(n, dtype=np.int64) * 2654435761 + rp.rank) & 0xFFFFFFFF)
+    return out
+
+
+def metadata_from_plan(gp: P.GlobalSavePlan, local_plans, checksums) -> Metadata:
+    """The metadata a commit of ``gp`` records, as columns (raydcp.planner.chunk_tables)."""
+    tables = P.chunk_tables(gp, local_plans, checksums)
+    tensors = {k: TensorMeta(s.dtype, s.shape, tables[k]) for k, s in gp.tensors.items()}
+    return Metadata(save_id=gp.save_id, world_size=gp.world_size, created_at=time.time(),
+                    tensors=tensors, values=dict(gp.values))
+
+
+def metadata_from_plan_objects(gp: P.GlobalSavePlan, local_plans) -> Metadata:
+    """The metadata a commit of ``gp`` records, one ChunkMeta per piece (as engine/save.py's commit does)."""
     chunks: dict[str, list[ChunkMeta]] = {k: [] for k in gp.tensors}
     for rp in gp.ranks:
         items = local_plans[rp.rank].items
@@ -146,16 +176,21 @@ def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float) -> di
     gc.enable()
     res: dict = {"ranks": ranks, "load_ranks": load_ranks, "tensors": tensors, "pieces": pieces}
     s, g, gp = step(lambda: P.plan_save(lps, P.SavePlanOptions(save_id="bench")))
-    res["plan_save"], res["plan_save_gc"], res["plan_save_wall"] = s, g, WALL[0]
+    res["plan_save"], res["plan_save_gc"], res["plan_save_wall"], res["plan_save_sys"] = s, g, WALL[0], SYS[0]
     log(f"    raydcp plan_save   {s:7.3f} s  (gc {g:.3f} s)")
-    s, g, md = step(lambda: metadata_from_plan(gp, lps))
-    res["build_md"], res["build_md_gc"] = s, g
-    del gp, lps
+    crcs = rank_checksums(gp)
+    s, g, md = step(lambda: metadata_from_plan(gp, lps, crcs))
+    res["build_md"], res["build_md_gc"], res["build_md_sys"] = s, g, SYS[0]
+    log(f"    raydcp build md    {s:7.3f} s  (gc {g:.3f} s)")
+    s, g, md_objs = step(lambda: metadata_from_plan_objects(gp, lps))
+    res["build_md_objects"] = s
+    log(f"    raydcp build md, one ChunkMeta per piece (not in the total) {s:7.3f} s  (gc {g:.3f} s)")
+    del gp, lps, md_objs
     s, g, blob = step(lambda: encode_metadata(md))
-    res["encode"], res["encode_gc"], res["md_bytes"] = s, g, len(blob)
+    res["encode"], res["encode_gc"], res["md_bytes"], res["encode_sys"] = s, g, len(blob), SYS[0]
     log(f"    raydcp encode      {s:7.3f} s  (gc {g:.3f} s)  {len(blob) / pieces:.1f} bytes/piece")
     s, g, md2 = step(lambda: decode_metadata(blob))
-    res["decode"], res["decode_gc"] = s, g
+    res["decode"], res["decode_gc"], res["decode_sys"] = s, g, SYS[0]
     log(f"    raydcp decode      {s:7.3f} s  (gc {g:.3f} s)")
     assert sum(len(t.chunks) for t in md2.tensors.values()) == pieces
     del md2
@@ -174,6 +209,7 @@ def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float) -> di
     s, g, plans = step(lambda: raydcp_load_plan(md, llps))
     scale_up = tensors / n_t
     res["load_plan"], res["load_plan_gc"], res["load_plan_est"] = s * scale_up, g * scale_up, n_t < tensors
+    res["load_plan_sys"] = SYS[0] * scale_up
     res["load_plan_tensors"] = n_t
     reads = sum(len(p.reads) for p in plans)
     res["read_amplification"] = sum(p.bytes_read for p in plans) / max(1, sum(p.bytes_needed for p in plans))
@@ -212,7 +248,7 @@ def profile_raydcp(ranks: int, load_ranks: int, tensors: int, load_tensors: int,
 
 def _save_steps(lps) -> Metadata:
     gp = P.plan_save(lps, P.SavePlanOptions(save_id="bench"))
-    md = metadata_from_plan(gp, lps)
+    md = metadata_from_plan(gp, lps, rank_checksums(gp))
     return decode_metadata(encode_metadata(md))
 
 
@@ -317,14 +353,19 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
         est = " est." if p["load_plan_est"] else ""
         rows.append([f"{p['ranks']} x {p['tensors']}", p["pieces"], p["plan_save"], p["build_md"], p["encode"],
                      p["decode"], f"{p['load_plan']:.2f}{est}", p["total"], p["md_bytes"] / p["pieces"],
-                     1e6 * p["total"] / p["pieces"]])
+                     1e6 * p["total"] / p["pieces"], p["build_md_objects"]])
     out = ["### raydcp coordinator, one CPU (CPU seconds; load plan for half as many ranks)", "",
            table(["ranks x tensors", "pieces", "plan_save", "build md", "encode", "decode", "load plan", "total",
-                  "md bytes/piece", "us/piece"], rows), ""]
+                  "md bytes/piece", "us/piece", "build md, objects (not in total)"], rows), ""]
     gcrow = [[f"{p['ranks']} x {p['tensors']}", p["plan_save_gc"], p["build_md_gc"], p["encode_gc"], p["decode_gc"],
               p["load_plan_gc"]] for p in points]
     out += ["Of which in the garbage collector (s):", "",
             table(["ranks x tensors", "plan_save", "build md", "encode", "decode", "load plan"], gcrow), ""]
+    steps = ("plan_save", "build_md", "encode", "decode", "load_plan")
+    sysrow = [[f"{p['ranks']} x {p['tensors']}", *(p[n + "_sys"] for n in steps), sum(p[n + "_sys"] for n in steps)]
+              for p in points]
+    out += ["Of which in the kernel (system CPU time: mostly page faults on fresh memory) (s):", "",
+            table(["ranks x tensors", "plan_save", "build md", "encode", "decode", "load plan", "total"], sysrow), ""]
     # linearity: cost per piece at each scale relative to the smallest
     base = points[0]
     lin = {}
@@ -336,6 +377,9 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
     for name in ("plan_save", "decode", "load_plan"):  # the collector's share grows with the live objects
         per = [(p[name] - p[name + "_gc"]) / p["pieces"] for p in points]
         lrows.append([f"{name}, outside the gc", *(x / per[0] for x in per)])
+    steps = ("plan_save", "build_md", "encode", "decode", "load_plan")
+    per = [(p["total"] - sum(p[n + "_sys"] for n in steps)) / p["pieces"] for p in points]
+    lrows.append(["total, user CPU only (no kernel time)", *(x / per[0] for x in per)])
     out += [f"Linearity: seconds per piece relative to {base['ranks']} ranks (1.0 = linear; work that grows with"
             f" the square of the ranks reads {points[-1]['ranks'] / base['ranks']:.1f} in the last column)", "",
             table(["step", *(f"{p['ranks']} ranks" for p in points)], lrows), ""]
