@@ -126,3 +126,32 @@ def test_reads_given_as_chunk_objects_take_the_same_paths(tmp_path, monkeypatch)
     flip(tmp_path / "ck" / c.file, c.byte_offset)
     with pytest.raises(CheckpointError, match=r"small\.7: checksum mismatch"):
         raydcp.load({k: torch.zeros_like(v.detach()) for k, v in sd.items()}, tmp_path / "ck")
+
+
+def test_commit_builds_sorted_chunk_tables_from_records():
+    import sys
+
+    from raydcp.metadata import Metadata, decode_metadata, encode_metadata
+    from raydcp.planner import TensorSpec
+
+    tensor_metas = sys.modules["raydcp.engine.save"]._tensor_metas
+    tensors = {"w": TensorSpec("float32", (4, 2)), "b": TensorSpec("uint8", (3 * MIB,)),
+               "s": TensorSpec("int64", ()), "e": TensorSpec("float32", (0, 3)), "b2": TensorSpec("uint8", (2 * MIB,))}
+    records = [("w", (2, 0), (2, 2), "f1", 64, 16, 11, ()),
+               ("b2", (0,), (2 * MIB,), "f1", 128, 2 * MIB, 6, (7, 8)),
+               ("b", (0,), (3 * MIB,), "f0", 0, 3 * MIB, 5, (1, 2, 3)),
+               ("w", (0, 0), (2, 2), "f0", 3 * MIB, 16, 12, ()),
+               ("s", (), (), "f1", 0, 8, 13, ())]
+    tm = tensor_metas(tensors, records)
+    assert list(tm) == list(tensors)
+    assert [(c.offsets, c.file, c.byte_offset, c.checksum) for c in tm["w"].chunks] == [
+        ((0, 0), "f0", 3 * MIB, 12), ((2, 0), "f1", 64, 11)]
+    assert tm["w"].chunks[1].offsets == (2, 0)
+    assert [c.block_checksums for c in tm["b"].chunks] == [(1, 2, 3)] and tm["b2"].chunks[0].block_checksums == (7, 8)
+    assert [c.block_checksums for c in tm["b2"].chunks] == [(7, 8)]
+    assert tm["s"].chunks[0].offsets == () and tm["s"].chunks[0].nbytes == 8 and len(tm["e"].chunks) == 0
+    md = Metadata("x", 1, 0.0, tm, {})
+    back = decode_metadata(encode_metadata(md))
+    for k in tensors:
+        assert tuple(back.tensors[k].chunks) == tuple(tm[k].chunks), k
+    assert tensor_metas({"e": TensorSpec("float32", (0,))}, [])["e"].chunks == ()
