@@ -7,9 +7,9 @@ two saved pieces). Tensor t has global shape (ranks * (1 + t % 4), 128 * (1 + t 
 raydcp, timed step by step (the coordinator's whole job for one save and one load):
   plan_save      raydcp.planner.plan_save(local_plans): validate, dedup, balance, pack files
   build md       the Metadata the plan implies: raydcp.planner.chunk_tables(plan, local plans, the
-                 ranks' checksums) -> one ChunkTable (columns) per tensor. Also timed, outside the
-                 total: the same Metadata built with one ChunkMeta per piece ("build md, objects"),
-                 which is how engine/save.py's commit step builds it today
+                 ranks' checksums as arrays) -> one ChunkTable (columns) per tensor. Also timed,
+                 outside the total: the commit step of engine/save.py (_tensor_metas), which builds
+                 the same tables from the per-piece storage records the ranks return
   encode         raydcp.metadata.encode_metadata(md)          -> bytes per piece
   decode         raydcp.metadata.decode_metadata(bytes)
   load plan      sources from the metadata + check_requests + raydcp.planner.plan_load (512 ranks)
@@ -51,7 +51,8 @@ from _util import GC, RESULTS, argv_line, goal, loadavg, log, machine, save_json
 import raydcp.planner as P  # noqa: E402
 from raydcp.codec import itemsize  # noqa: E402
 from raydcp.engine.load import _stored_sources  # noqa: E402  (what the load coordinator runs)
-from raydcp.metadata import ChunkMeta, Metadata, TensorMeta, decode_metadata, encode_metadata  # noqa: E402
+from raydcp.engine.save import _tensor_metas  # noqa: E402  (what the save coordinator's commit runs)
+from raydcp.metadata import Metadata, TensorMeta, decode_metadata, encode_metadata  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
@@ -145,20 +146,17 @@ def metadata_from_plan(gp: P.GlobalSavePlan, local_plans, checksums) -> Metadata
                     tensors=tensors, values=dict(gp.values))
 
 
-def metadata_from_plan_objects(gp: P.GlobalSavePlan, local_plans) -> Metadata:
-    """The metadata a commit of ``gp`` records, one ChunkMeta per piece (as engine/save.py's commit does)."""
-    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in gp.tensors}
+def engine_records(gp: P.GlobalSavePlan, local_plans, checksums) -> list[tuple]:
+    """The storage records the ranks return to the engine's commit step (one tuple per piece)."""
+    records = []
     for rp in gp.ranks:
         items = local_plans[rp.rank].items
+        crcs = iter(checksums[rp.rank].tolist())
         for name, slots in rp.files:
             for s in slots:
                 it = items[s.item]
-                chunks[it.key].append(ChunkMeta(it.offsets, it.sizes, name, s.byte_offset, it.nbytes,
-                                                (hash((it.key, it.offsets)) & 0xFFFFFFFF)))
-    tensors = {k: TensorMeta(s.dtype, s.shape, tuple(sorted(chunks[k], key=lambda c: c.offsets)))
-               for k, s in gp.tensors.items()}
-    return Metadata(save_id=gp.save_id, world_size=gp.world_size, created_at=time.time(),
-                    tensors=tensors, values=dict(gp.values))
+                records.append((it.key, it.offsets, it.sizes, name, s.byte_offset, it.nbytes, next(crcs), ()))
+    return records
 
 
 def raydcp_load_plan(md: Metadata, load_plans):
@@ -182,10 +180,11 @@ def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float) -> di
     s, g, md = step(lambda: metadata_from_plan(gp, lps, crcs))
     res["build_md"], res["build_md_gc"], res["build_md_sys"] = s, g, SYS[0]
     log(f"    raydcp build md    {s:7.3f} s  (gc {g:.3f} s)")
-    s, g, md_objs = step(lambda: metadata_from_plan_objects(gp, lps))
-    res["build_md_objects"] = s
-    log(f"    raydcp build md, one ChunkMeta per piece (not in the total) {s:7.3f} s  (gc {g:.3f} s)")
-    del gp, lps, md_objs
+    records = engine_records(gp, lps, crcs)
+    s, g, md_engine = step(lambda: _tensor_metas(dict(gp.tensors), records))
+    res["build_md_engine"] = s
+    log(f"    engine commit step from per-piece records (not in the total) {s:7.3f} s  (gc {g:.3f} s)")
+    del gp, lps, md_engine, records
     s, g, blob = step(lambda: encode_metadata(md))
     res["encode"], res["encode_gc"], res["md_bytes"], res["encode_sys"] = s, g, len(blob), SYS[0]
     log(f"    raydcp encode      {s:7.3f} s  (gc {g:.3f} s)  {len(blob) / pieces:.1f} bytes/piece")
@@ -353,10 +352,10 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
         est = " est." if p["load_plan_est"] else ""
         rows.append([f"{p['ranks']} x {p['tensors']}", p["pieces"], p["plan_save"], p["build_md"], p["encode"],
                      p["decode"], f"{p['load_plan']:.2f}{est}", p["total"], p["md_bytes"] / p["pieces"],
-                     1e6 * p["total"] / p["pieces"], p["build_md_objects"]])
+                     1e6 * p["total"] / p["pieces"], p["build_md_engine"]])
     out = ["### raydcp coordinator, one CPU (CPU seconds; load plan for half as many ranks)", "",
            table(["ranks x tensors", "pieces", "plan_save", "build md", "encode", "decode", "load plan", "total",
-                  "md bytes/piece", "us/piece", "build md, objects (not in total)"], rows), ""]
+                  "md bytes/piece", "us/piece", "engine commit from records (not in total)"], rows), ""]
     gcrow = [[f"{p['ranks']} x {p['tensors']}", p["plan_save_gc"], p["build_md_gc"], p["encode_gc"], p["decode_gc"],
               p["load_plan_gc"]] for p in points]
     out += ["Of which in the garbage collector (s):", "",
