@@ -230,17 +230,17 @@ def _tensor_metas(tensors: dict[str, TensorSpec], records: list[tuple]) -> dict[
     files = list(names)
     rows = np.searchsorted(key, np.arange(len(keys) + 1)).tolist()
     blocks_at = bounds.tolist()
-    no_blocks = np.zeros(0, np.uint32)
+    no_blocks, zeros = np.zeros(0, np.uint32), np.zeros(n + 1, np.int64)
     out = {}
     for i, (k, spec) in enumerate(tensors.items()):
         a, b = rows[i], rows[i + 1]
         nd = len(spec.shape)
         lo, hi = blocks_at[a], blocks_at[b]
         # each table gets its own block values, its bounds starting at 0
-        tb = (bval[lo:hi], bounds[a:b + 1] - lo) if hi > lo else (no_blocks, np.zeros(b - a + 1, np.int64))
+        tb = (bval[lo:hi], bounds[a:b + 1] - lo) if hi > lo else (no_blocks, zeros[:b - a + 1])
+        boxes = (off[a:b], size[a:b]) if nd == width else (off[a:b, :nd], size[a:b, :nd])
         out[k] = TensorMeta(spec.dtype, spec.shape,
-                            ChunkTable(off[a:b, :nd], size[a:b, :nd], files, file[a:b], boff[a:b], nbytes[a:b],
-                                       crc[a:b], *tb))
+                            ChunkTable(*boxes, files, file[a:b], boff[a:b], nbytes[a:b], crc[a:b], *tb))
     return out
 
 
