@@ -21,6 +21,7 @@ What each part becomes when the world size changes (N saved -> M loading):
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ class TrainState:
             raise CheckpointError(f"TrainState: scheduler {type(scheduler).__name__} has no state_dict()")
         # torch's state-dict helpers take seconds to import the first time: pay that here, at
         # set-up, rather than inside the first checkpoint's stall
-        import torch.distributed.checkpoint.state_dict  # noqa: F401
+        importlib.import_module("torch.distributed.checkpoint.state_dict")
 
         self.model = model
         self.optimizer = optimizer
