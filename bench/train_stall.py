@@ -101,7 +101,8 @@ def bench_loop(config: dict) -> None:
                          delete_local_checkpoint_after_upload=False, checkpoint_upload_fn=wait_committed)
 
     if lib.startswith("raydcp"):
-        raydcp.train.restore({"train": state})  # what a job does first (a fresh run: nothing to load)
+        # what a job does first (a fresh run: nothing to load; starts the coordinator and persister)
+        raydcp.train.restore({"train": state}, async_save=lib == "raydcp async")
     profile = None
     if config.get("profile") and rank == 0:
         import cProfile

@@ -136,7 +136,7 @@ def train_loop(config: dict) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * 0.9 ** max(0, s - 4))
     state = raydcp.train.TrainState(model, opt, sched, seed=seed)
 
-    resumed = raydcp.train.restore({"train": state})
+    resumed = raydcp.train.restore({"train": state}, async_save=config.get("async_save", False))
     if not resumed:
         state.reseed()
     start = state.step

@@ -61,18 +61,25 @@ class Group:
 
         return RayTransport(self, self.next_operation())
 
-    def prepare(self) -> None:
+    def prepare(self, *, async_save: bool = False) -> None:
         """Start the group's coordinator in the background (returns at once; optional).
 
         The first operation of a group otherwise pays for starting it (a Ray
         actor, and the imports its reductions need); a rank that calls this at
         start-up, e.g. before its first training step, moves that cost off the
         first checkpoint. One rank is enough; every rank may call it.
+        ``async_save=True`` also starts this rank's persister actor, which the
+        first ``async_save`` would otherwise start (its first persist then
+        competes with training for as long as the actor takes to start).
         """
         if self.world_size > 1:
             from .runtime.actors import prepare_coordinator
 
             prepare_coordinator(self.name, self.world_size, self.rank)
+        if async_save:
+            from .runtime.persister import persister_for_this_process
+
+            persister_for_this_process().prepare()
 
     def open_async_persister(self):
         """This rank's background persister for async_save (imports the Ray runtime lazily)."""

@@ -36,6 +36,11 @@ __all__ = ["RayAsyncPersister", "persister_for_this_process"]
 class _Persister:
     """Runs one rank's save protocol from pieces staged in the object store."""
 
+    def ready(self) -> bool:
+        import raydcp.engine  # noqa: F401  (the save path's imports, ahead of the first persist)
+
+        return True
+
     def persist(self, name: str, rank: int, world: int, timeout_s: float, op: int,
                 checkpoint_id: str, storage_options, plan, pieces: list[np.ndarray]):
         data = [torch.from_numpy(np.asarray(p)) if p.size else torch.empty(0, dtype=torch.uint8) for p in pieces]
@@ -83,6 +88,10 @@ class RayAsyncPersister:
         self.actor = _PersisterRemote.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         ).remote()
+
+    def prepare(self) -> None:
+        """Have the actor start and import the save path now, without waiting for it."""
+        self.actor.ready.remote()
 
     def submit(self, group: Group, state_dict: dict, checkpoint_id: str, storage_options) -> Any:
         from ..engine.background import SaveFuture

@@ -191,7 +191,7 @@ def _save_numbers(md: Metadata, seconds: float, persist: float) -> dict:
 
 
 def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | None = None,
-            timeout_s: float = 600.0) -> bool:
+            timeout_s: float = 600.0, async_save: bool = False) -> bool:
     """Load the run's latest checkpoint into ``state_dict``, resharded to this world size.
 
     Every worker calls it (usually first thing in the training function). Returns
@@ -200,6 +200,9 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     optimizer through ``set_state_dict``, scheduler, step, data position, RNG).
     Rank 0 first removes checkpoint directories that an earlier attempt left
     uncommitted (no save of this run is in flight while the workers start).
+    It also starts the worker group's raydcp coordinator, so the first save does
+    not wait for it; ``async_save=True`` (for runs that save with
+    ``async_save=True``) starts this rank's persister actor too.
     """
     ctx = _context("restore")
     state = _as_state_dict(state_dict)
@@ -214,7 +217,7 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     group_name = broadcast_from_rank_zero(  # also waits for the cleanup
         _proposed_group_name(ctx, timeout_s) if rank == 0 else None)
     group = _group(ctx, group_name, timeout_s)
-    group.prepare()  # the first save (or this load) then finds the coordinator running
+    group.prepare(async_save=async_save)  # the first save (or this load) then finds them running
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return False

@@ -34,3 +34,14 @@ def test_group_async_save_snapshots_and_commits(ray_session, tmp_path):
     raydcp.load(sd, tmp_path / "ck")
     assert torch.equal(sd["w"], torch.arange(12.0).reshape(6, 2)) and sd["step"] == 1
     assert all(ray.get([r.pid_of_persister.remote() for r in ranks]))
+
+
+def test_prepare_starts_this_process_persister_once(ray_session):
+    from raydcp.group import Group
+    from raydcp.runtime import persister
+
+    Group("prepare-persister", 0, 1).prepare(async_save=True)
+    first = persister.persister_for_this_process()
+    assert ray_session.get(first.actor.ready.remote(), timeout=120) is True
+    Group("prepare-persister", 0, 1).prepare(async_save=True)
+    assert persister.persister_for_this_process() is first  # reused, not a second actor
