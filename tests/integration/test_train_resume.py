@@ -55,6 +55,29 @@ def fault_loop(config: dict) -> None:
     _TRAIN_LOOP(config)
 
 
+def lost_persister_loop(config: dict) -> None:
+    """train_loop with async saves, but on the first attempt the last rank's persister actor is
+    killed right after its first async save was handed to it (the persist dies mid-way)."""
+    import ray
+    import ray.train
+
+    import raydcp.engine
+    from raydcp.runtime.persister import persister_for_this_process
+
+    ctx = ray.train.get_context()
+    if ctx.get_world_rank() == ctx.get_world_size() - 1 and not os.path.exists(config["flag"]):
+        async_save = raydcp.engine.async_save
+
+        def save_then_lose_persister(*args, **kwargs):
+            future = async_save(*args, **kwargs)
+            Path(config["flag"]).touch()
+            ray.kill(persister_for_this_process().actor, no_restart=True)
+            return future
+
+        raydcp.engine.async_save = save_then_lose_persister
+    _TRAIN_LOOP(config)
+
+
 def _half(runs):
     """``half``: 3 steps on 2 workers, then the same run name restarted on 3 workers."""
     runs("half", {**runs.base, "stop_at": 3}, key="half-first-part")
@@ -189,3 +212,31 @@ def test_async_saves_register_only_committed_snapshots_and_resume_bitwise(train_
     assert dirs == sorted(r["checkpoint"] for r in recs)
     for r, d in zip(recs, dirs):
         assert raydcp.read_metadata(str(Path(train_runs.storage, "async", d))).values["train.progress.step"] == r["step"]
+
+
+def test_a_persist_that_dies_fails_the_run_and_the_restart_never_sees_its_checkpoint(train_runs, tmp_path):
+    from ray import cloudpickle
+
+    global _TRAIN_LOOP
+    _TRAIN_LOOP = train_runs.example.train_loop
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    flag = str(tmp_path / "persister-killed")
+    config = {**train_runs.base, "async_save": True, "flag": flag}
+    result = train_runs("async-fault", config, num_to_keep=None, max_failures=1, train_fn=lost_persister_loop)
+    assert os.path.exists(flag), "the fault was not injected"
+    m = result.metrics
+    # the step-3 save never committed, so attempt 2 found no checkpoint and started afresh
+    assert (m["step"], m["world_size"], m["resumed"], m["start_step"]) == (6, 2, False, 0)
+
+    recs = _records(train_runs.storage, "async-fault")
+    assert [(r["event"], r.get("step")) for r in recs] == [("exception", None), ("checkpoint", 3), ("checkpoint", 6)]
+    assert "persister actor died" in " ".join(recs[0]["errors"].values())
+    assert recs[0]["latest"] is None
+    # whatever attempt 1 left of its step-3 save is gone: only the registered checkpoints remain
+    dirs = _run_dirs(train_runs.storage, "async-fault")
+    assert dirs == sorted(r["checkpoint"] for r in recs[1:])
+    assert all(CheckpointStorage(str(Path(train_runs.storage, "async-fault", d))).is_committed() for d in dirs)
+    ref = train_runs.reference()
+    assert m["loss"] == ref.metrics["loss"]
+    _assert_same_state(train_runs.example.load_full(ref.checkpoint.path),
+                       train_runs.example.load_full(result.checkpoint.path))
