@@ -120,7 +120,8 @@ def train_loop(config: dict) -> None:
     """One Ray Train worker. Config: seed, steps, ckpt_every, global_batch, lr; optional
     stop_at (end this run early, after the checkpoint at that step), pause_at/max_workers/events
     (elastic demo), preempt_at (a simulated preemption notice at that step), async_save
-    (checkpoint with raydcp.train.save(async_save=True)), dim/layers (model size)."""
+    (checkpoint with raydcp.train.save(async_save=True)), max_staging_bytes (its staging cap per
+    node), dim/layers (model size)."""
     from torch.distributed.fsdp import fully_shard
 
     ctx = ray.train.get_context()
@@ -178,7 +179,8 @@ def train_loop(config: dict) -> None:
         if state.step % every == 0 or state.step == steps:
             # before pausing, make sure Ray Train has registered the checkpoint the resize resumes from
             raydcp.train.save({"train": state}, metrics, wait_registered=pausing,
-                              async_save=config.get("async_save", False))
+                              async_save=config.get("async_save", False),
+                              max_staging_bytes=config.get("max_staging_bytes"))
         elif raydcp.train.save_on_preemption({"train": state}, metrics, get_info=get_info):
             pass  # the run goes on until the node is actually taken away
 

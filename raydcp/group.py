@@ -92,5 +92,5 @@ class _BoundPersister:
     def __init__(self, group: Group, persister):
         self.group, self.persister = group, persister
 
-    def submit(self, state_dict, checkpoint_id, storage_options):
-        return self.persister.submit(self.group, state_dict, checkpoint_id, storage_options)
+    def submit(self, state_dict, checkpoint_id, storage_options, cap=None):
+        return self.persister.submit(self.group, state_dict, checkpoint_id, storage_options, cap)

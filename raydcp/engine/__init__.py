@@ -91,8 +91,9 @@ def async_save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
     the writing runs in a helper process (``group=None``) or a persister actor
     beside this rank (a Ray group), never on this process's GIL. Saves stay
     ordered: a call waits until the previous one finished. ``max_staging_bytes``
-    (default: ``RAYDCP_MAX_STAGING_BYTES`` or unlimited) caps the staging memory;
-    above it the state is staged and written in pieces, and the call returns
-    when the last piece is staged.
+    (default: ``RAYDCP_MAX_STAGING_BYTES`` or unlimited) caps this rank's staging
+    memory (give every rank of a group the same cap); above it the state is
+    staged and written in pieces, and the call returns when the last piece is
+    staged.
     """
     return start_async_save(state_dict, _checkpoint_id(checkpoint_id), group, storage_options, max_staging_bytes)

@@ -74,7 +74,11 @@ def start_async_save(state_dict: dict, checkpoint_id: str, group, storage_option
             _last.wait()  # saves stay ordered, and the staging memory is free again
         t0 = time.perf_counter()
         if group is not None:
-            fut = group.open_async_persister().submit(state_dict, checkpoint_id, storage_options)
+            try:
+                cap = _staging_cap(max_staging_bytes)
+            except CheckpointError as exc:
+                return _failed(exc)
+            fut = group.open_async_persister().submit(state_dict, checkpoint_id, storage_options, cap)
         else:
             fut = _start_local(state_dict, checkpoint_id, storage_options, max_staging_bytes)
         fut.stall_s = time.perf_counter() - t0

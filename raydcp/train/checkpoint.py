@@ -104,7 +104,8 @@ def _group(ctx, name: str, timeout_s: float) -> Group:
 
 def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
          storage_options: dict | None = None, timeout_s: float = 600.0, wait_registered: bool = False,
-         async_save: bool = False, _emergency: dict | None = None) -> Metadata | SaveFuture:
+         async_save: bool = False, max_staging_bytes: int | None = None,
+         _emergency: dict | None = None) -> Metadata | SaveFuture:
     """Save this rank's part of ``state_dict`` as one checkpoint of the run, and report it.
 
     Every worker calls it at the same point (it is a collective, like
@@ -131,6 +132,9 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     as Ray Train's own asynchronous uploads do. A later save waits for the
     previous one to commit first. ``metrics["raydcp"]`` then carries
     ``stall_seconds`` (staging) and ``persist_seconds`` (call to commit).
+    ``max_staging_bytes`` caps the staging memory of an asynchronous save per
+    node (shared evenly by the node's workers); above it the state is staged and
+    written in batches and the stall grows instead.
     """
     ctx = _context("save")
     state = _as_state_dict(state_dict)
@@ -150,7 +154,8 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
 
     t0 = time.perf_counter()
     if async_save:
-        future = engine.async_save(state, url, group=group, storage_options=options)
+        cap = None if max_staging_bytes is None else int(max_staging_bytes) // ctx.get_local_world_size()
+        future = engine.async_save(state, url, group=group, storage_options=options, max_staging_bytes=cap)
         stall = time.perf_counter() - t0
     else:
         md = engine.save(state, url, group=group, storage_options=options)

@@ -185,13 +185,17 @@ def test_preemption_then_a_rank_dying_mid_save_resumes_bitwise_from_the_last_goo
 
 
 def test_async_saves_register_only_committed_snapshots_and_resume_bitwise(train_runs):
-    """async_save=True: 3 steps (the step-3 save persists while the training function ends), then
-    the same run restarted on 2 workers resumes from it and checkpoints asynchronously again."""
+    """async_save=True: 3 steps (the step-3 save persists while the training function ends; staged
+    in batches under a 16 KiB cap per node), then the same run restarted on 2 workers resumes from
+    it and checkpoints asynchronously again (no cap)."""
     config = {**train_runs.base, "async_save": True}
-    first = train_runs("async", {**config, "stop_at": 3}, key="async-first-part", num_to_keep=None)
+    first = train_runs("async", {**config, "stop_at": 3, "max_staging_bytes": 16 << 10}, key="async-first-part",
+                       num_to_keep=None)
     # Ray Train waited for the persist when the training function returned, then registered it
     assert first.checkpoint is not None and first.metrics["raydcp"]["mode"] == "async"
-    assert raydcp.read_metadata(first.checkpoint.path).values["train.progress.step"] == 3
+    first_md = raydcp.read_metadata(first.checkpoint.path)
+    assert first_md.values["train.progress.step"] == 3
+    assert len(first_md.files) > 2  # under the cap: files of at most 8 KiB per rank, written in batches
     result = train_runs("async", config, num_to_keep=None)
     m = result.metrics
     assert (m["step"], m["world_size"], m["resumed"], m["start_step"], m["rng"]) == (6, 2, True, 3, "exact")
