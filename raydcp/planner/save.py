@@ -159,13 +159,19 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
     if (ndim != nds[g]).any() or (size < 0).any():
         return None
 
-    # bounds: every non-empty piece inside its tensor
-    nonempty = _rows_all(size > 0)
-    ext = np.take(shape, g, axis=0)
-    inside = _rows_all((off >= 0) & (off <= ext) & (size <= ext) & (off + size <= ext))
+    # bounds: every non-empty piece inside its tensor (a dimension at a time: few, small temporaries)
+    nonempty = np.ones(n, bool)
+    inside = np.ones(n, bool)
+    for j in range(width):
+        o, z, e = off[:, j], size[:, j], shape[:, j][g]
+        nonempty &= z > 0
+        inside &= (o >= 0) & (o <= e) & (z <= e) & (o + z <= e)
     if (nonempty & ~inside).any():
         return None
-    count = np.where(nonempty, _rows_prod(np.where(nonempty[:, None], size, 1)), 0)
+    del inside
+    count = np.where(nonempty, size[:, 0], 0)
+    for j in range(1, width):
+        count *= size[:, j]
     if ((count == 0) != (nbytes == 0)).any():
         return None
 
@@ -179,9 +185,14 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
     # per tensor, the dimension its pieces are split along: a piece spans its tensor in every other one
     idx = np.flatnonzero(nonempty)
     gi = g[idx]
-    full = (np.take(off, idx, axis=0) == 0) & (np.take(size, idx, axis=0) == np.take(ext, idx, axis=0))
-    nfull = _rows_sum(full)
-    piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, np.argmin(full, axis=1), -1))
+    nfull = np.zeros(len(idx), np.int64)
+    not_full = np.full(len(idx), -1, np.int64)  # the first dimension a piece does not span
+    for j in range(width):
+        f = (off[:, j][idx] == 0) & (size[:, j][idx] == shape[:, j][gi])
+        nfull += f
+        not_full[(not_full < 0) & ~f] = j
+    piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, not_full, -1))
+    del nfull, not_full
     dmin = np.full(k, width, np.int64)
     dmax = np.full(k, -1, np.int64)
     split = piece_dim < width
