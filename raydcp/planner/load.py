@@ -301,16 +301,22 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     # lies inside its tensor in the other dimensions, the part differs from the request only along
     # the split dimension: keep that (1-D arrays) and build the boxes once, in the output order.
     other_ok = np.ones(len(q1), bool)
+    other_full = np.ones(len(q1), bool)
     for e in range(width):
-        qe_lo, qe_n = q_off[:, e][q1], q_size[:, e][q1]
-        other_ok &= (d1 == e) | ((qe_lo >= 0) & (qe_lo + qe_n <= ext[:, e][k1]))
+        qe_lo, qe_n, ext_e = q_off[:, e][q1], q_size[:, e][q1], ext[:, e][k1]
+        other_ok &= (d1 == e) | ((qe_lo >= 0) & (qe_lo + qe_n <= ext_e))
+        other_full &= (d1 == e) | ((qe_lo == 0) & (qe_n == ext_e))
+    whole = False  # every part is its whole chunk: deliveries then need no boxes of their own
     if not len(gen_q) and other_ok.all():
         p_d = np.repeat(d1, n_c)
         c_lo = _pick(s_off, p_c, p_d)
+        c_hi = c_lo + _pick(s_size, p_c, p_d)
         q_lo = np.repeat(q1_off, n_c)
+        q_hi = q_lo + np.repeat(q1_size, n_c)
         lo_d = np.maximum(q_lo, c_lo)
-        sz_d = np.minimum(q_lo + np.repeat(q1_size, n_c), c_lo + _pick(s_size, p_c, p_d)) - lo_d
-        del c_lo, q_lo
+        sz_d = np.minimum(q_hi, c_hi) - lo_d
+        whole = bool(other_full.all() and (q_lo <= c_lo).all() and (q_hi >= c_hi).all())
+        del c_lo, c_hi, q_lo, q_hi
         p_numel = np.repeat(q_numel[q1] // q1_size, n_c) * sz_d
 
         def boxes(sel):
@@ -451,7 +457,7 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         src = np.repeat(sp_heads[sp_order] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
         pairs[first] = sp[src]
 
-    d_lo, d_sz = boxes(pairs)
+    d_lo, d_sz = (None, None) if whole else boxes(pairs)
     cols = {"key": s_key[rchunk], "offsets": _take(s_off, rchunk), "sizes": _take(s_size, rchunk),
             "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
             "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz}
@@ -475,7 +481,8 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     for r, lp in enumerate(local_plans):
         a, b = int(rb[r]), int(rb[r + 1])
         fields = {name: arr[a:b] for name, arr in cols.items() if not name.startswith(("d_", "block_"))}
-        fields.update({name: arr[pb[a]:pb[b]] for name, arr in cols.items() if name.startswith("d_")})
+        fields.update({name: arr[pb[a]:pb[b]] for name, arr in cols.items()
+                       if name.startswith("d_") and arr is not None})
         if stored:
             bb = cols["block_bounds"][a:b + 1]
             fields["block_values"] = cols["block_values"][bb[0]:bb[-1]]

@@ -15,9 +15,10 @@ Load, for any N saved -> M loading:
      source byte read by exactly one rank) and where each part goes.
 
 At scale (a million pieces) the coordinator works on arrays, not a Python object per piece (grid
-splits, which need a box-by-box check, are the exception): local plans also carry their items as arrays (:class:`ItemColumns`, built with the plan on its rank), and
-the plans it returns hold arrays that read as the tuples above on first use (:class:`FileTable`
-for ``RankWritePlan.files``, :class:`ReadTable` for ``RankLoadPlan.reads``).
+splits, which need a box-by-box check, are the exception): local plans also carry their items as
+arrays (:class:`ItemColumns`, built with the plan on its rank), and the plans it returns hold
+arrays that read as the tuples above on first use (:class:`FileTable` for ``RankWritePlan.files``,
+:class:`ReadTable` for ``RankLoadPlan.reads``).
 """
 from __future__ import annotations
 
@@ -264,7 +265,8 @@ class ReadTable(_Lazy):
     ``ndims``, stored at ``files[file[i]]`` / ``byte_offset[i]``, ``checksum[i]`` (-1: none), block
     checksums ``block_values[block_bounds[i]:block_bounds[i + 1]]``) or, where ``sources`` is given,
     the SourceChunk ``sources[i]``; its deliveries are ``delivery_bounds[i]:delivery_bounds[i + 1]``
-    of ``d_rank``, ``d_item``, ``d_offsets``, ``d_sizes``."""
+    of ``d_rank``, ``d_item``, ``d_offsets``, ``d_sizes`` (these two None where every delivery is
+    its whole chunk)."""
 
     __slots__ = ("keys", "dtypes", "ndims", "files", "key", "offsets", "sizes", "file", "byte_offset", "nbytes",
                  "checksum", "block_values", "block_bounds", "sources", "delivery_bounds", "d_rank", "d_item",
@@ -283,7 +285,8 @@ class ReadTable(_Lazy):
         key = self.key.tolist()
         db = self.delivery_bounds.tolist()
         d_rank, d_item = self.d_rank.tolist(), self.d_item.tolist()
-        d_off, d_size = self.d_offsets.tolist(), self.d_sizes.tolist()
+        whole = self.d_offsets is None
+        d_off, d_size = (None, None) if whole else (self.d_offsets.tolist(), self.d_sizes.tolist())
         if self.sources is not None:
             srcs = self.sources
         else:
@@ -300,6 +303,10 @@ class ReadTable(_Lazy):
         out = []
         for i, k in enumerate(key):
             nd = nds[k]
+            if whole:
+                out.append(ChunkRead(srcs[i], tuple(Delivery(d_rank[j], d_item[j], srcs[i].offsets, srcs[i].sizes)
+                                                    for j in range(db[i], db[i + 1]))))
+                continue
             out.append(ChunkRead(srcs[i], tuple(
                 Delivery(d_rank[j], d_item[j], tuple(d_off[j][:nd]), tuple(d_size[j][:nd]))
                 for j in range(db[i], db[i + 1]))))

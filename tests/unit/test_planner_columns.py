@@ -257,3 +257,44 @@ def test_plans_travel_as_columns_and_read_the_same():
     assert all(isinstance(rp.reads, ReadTable) for rp in out)
     assert [_flatten([pickle.loads(pickle.dumps(rp))]) for rp in out] == [_flatten([rp]) for rp in out]
     assert sum(rp.bytes_read for rp in out) == 8 * 3 * 4 + 5 * 4
+
+
+@pytest.mark.parametrize("n_save,n_load", [(4, 2), (4, 4), (6, 3), (3, 1)])
+def test_load_of_whole_chunks_matches_the_box_by_box_path(n_save, n_load):
+    """Loading ranks that each need whole saved chunks (N a multiple of M, rows): deliveries are
+    kept as 'the whole chunk' and read back as the same boxes."""
+    from raydcp.planner import ReadTable
+
+    tensors = {"w": TensorSpec("float32", (12, 5)), "v": TensorSpec("float32", (12, 2, 2)),
+               "s": TensorSpec("float32", ())}
+
+    def rows(n, world, r):
+        per = n // world
+        return r * per, per
+
+    plans = []
+    for r in range(n_save):
+        items = [WriteItem("s", (), (), 4, 1)]
+        for k in ("w", "v"):
+            shape = tensors[k].shape
+            lo, n = rows(shape[0], n_save, r)
+            size = (n,) + shape[1:]
+            items.append(WriteItem(k, (lo,) + (0,) * (len(shape) - 1), size, numel(size) * 4, None))
+        plans.append(LocalSavePlan(r, tensors, tuple(items), {}))
+    gp = plan_save(plans, SavePlanOptions(save_id="s"))
+    md = decode_metadata(encode_metadata(_stored(plans, tensors, gp)))
+    loads = []
+    for r in range(n_load):
+        items = [ReadItem("s", (), ())]
+        for k in ("w", "v"):
+            shape = tensors[k].shape
+            lo, n = rows(shape[0], n_load, r)
+            items.append(ReadItem(k, (lo,) + (0,) * (len(shape) - 1), (n,) + shape[1:]))
+        loads.append(LocalLoadPlan(r, tensors, tuple(items), ()))
+    itemsizes = {"w": 4, "v": 4, "s": 4}
+    got = plan_load(stored_sources(md), loads, {}, itemsizes)
+    if n_load > 1:
+        assert all(isinstance(rp.reads, ReadTable) and rp.reads.d_offsets is None for rp in got)
+    expected = _plan_load_objects({k: list(v) for k, v in stored_sources(md).items()}, loads, {}, itemsizes)
+    assert {r[1:] for r in _flatten(got)[0]} == {r[1:] for r in _flatten(expected)[0]}
+    assert _flatten(got)[1] == _flatten(expected)[1]
