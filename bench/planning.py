@@ -379,6 +379,8 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
     steps = ("plan_save", "build_md", "encode", "decode", "load_plan")
     per = [(p["total"] - sum(p[n + "_sys"] for n in steps)) / p["pieces"] for p in points]
     lrows.append(["total, user CPU only (no kernel time)", *(x / per[0] for x in per)])
+    per = [(p["total"] - sum(p[n + "_sys"] + p[n + "_gc"] for n in steps)) / p["pieces"] for p in points]
+    lrows.append(["total, user CPU outside the gc", *(x / per[0] for x in per)])
     out += [f"Linearity: seconds per piece relative to {base['ranks']} ranks (1.0 = linear; work that grows with"
             f" the square of the ranks reads {points[-1]['ranks'] / base['ranks']:.1f} in the last column)", "",
             table(["step", *(f"{p['ranks']} ranks" for p in points)], lrows), ""]
