@@ -330,13 +330,16 @@ def _columnar_reads(reads: Any, out: Deliverer):
         return None
     n = len(reads.nbytes)
     db = np.asarray(reads.delivery_bounds)
-    sizes, d_sizes = np.asarray(reads.sizes), np.asarray(reads.d_sizes)
-    if n == 0 or len(db) != n + 1 or sizes.ndim != 2 or d_sizes.ndim != 2 or sizes.shape[1] != d_sizes.shape[1]:
+    d_rank = np.asarray(reads.d_rank)
+    sizes = np.asarray(reads.sizes)
+    d_sizes = None if reads.d_sizes is None else np.asarray(reads.d_sizes)  # None: every delivery is whole
+    if n == 0 or len(db) != n + 1 or sizes.ndim != 2 or d_sizes is not None and (
+            d_sizes.ndim != 2 or sizes.shape[1] != d_sizes.shape[1]):
         return None
-    first = np.minimum(db[:-1], max(len(d_sizes) - 1, 0))
+    first = np.minimum(db[:-1], max(len(d_rank) - 1, 0))
     nbytes = np.asarray(reads.nbytes)
-    whole = ((db[1:] - db[:-1]) == 1) & (np.asarray(reads.d_rank)[first] == out.rank) & (nbytes > 0)
-    if len(d_sizes):
+    whole = ((db[1:] - db[:-1]) == 1) & (d_rank[first] == out.rank) & (nbytes > 0)
+    if d_sizes is not None and len(d_sizes):
         whole &= (d_sizes[first] == sizes).all(axis=1)
     files, boff, crcs = reads.files, np.asarray(reads.byte_offset), np.asarray(reads.checksum)
     bb = np.asarray(reads.block_bounds)
