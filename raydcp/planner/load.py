@@ -3,6 +3,13 @@
 Every needed byte of a source chunk is read by exactly one rank; a chunk is read by a
 rank that needs part of it where possible (the one needing most of it, ties to the
 least loaded), so read amplification is at most 1.0 and the reads are spread.
+
+A large stored chunk (at least ``SPLIT_MIN_BYTES``) that several ranks need in
+disjoint parts -- the usual case when a row-sharded checkpoint is loaded onto a
+different number of ranks -- is not read by one rank and forwarded: each rank
+reads its own part, so those bytes never go through the exchange. Smaller chunks
+are read whole by one rank (a partial read is widened to whole checksum blocks,
+so splitting a small chunk would read its bytes more than once).
 """
 from __future__ import annotations
 
@@ -18,7 +25,17 @@ from .boxes import byte_runs, intersect, merge_runs, numel
 from .types import (ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, ReadTable, SourceChunk, StoredChunks,
                     TensorSpec)
 
-__all__ = ["plan_load", "check_requests", "stored_sources"]
+__all__ = ["plan_load", "check_requests", "stored_sources", "SPLIT_MIN_BYTES"]
+
+# stored chunks from this size on are read part by part by the ranks that need the parts
+SPLIT_MIN_BYTES = 8 << 20
+
+
+def _disjoint_by_rank(rank_runs: Mapping[int, list]) -> bool:
+    """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks."""
+    merged = [merge_runs(runs) for runs in rank_runs.values()]
+    union = merge_runs([r for runs in merged for r in runs])
+    return sum(e - s for runs in merged for s, e in runs) == sum(e - s for s, e in union)
 
 
 def check_requests(
@@ -372,6 +389,9 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     sp_heads = np.flatnonzero(np.r_[True, p_c[sp][1:] != p_c[sp][:-1]]) if len(sp) else np.zeros(0, np.int64)
     sp_chunk = p_c[sp][sp_heads]
     sp_count = np.diff(np.append(sp_heads, len(sp)))
+    if len(sp_heads):
+        sp, sp_heads, sp_chunk, sp_count = _split_large_chunks(
+            sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes, s_off, s_size, s_key, nd_key, isz)
     sp_reader = np.full(len(sp_heads), -1, np.int64)
     sp_nread = np.zeros(len(sp_heads), np.int64)
     if len(sp_heads):
@@ -497,6 +517,43 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     return plans
 
 
+def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes,
+                        s_off, s_size, s_key, nd_key, isz):
+    """Regroup the pairs of every large stored chunk needed by several ranks in disjoint parts:
+    one group per rank (in the order the ranks first appear), so each rank reads its own part."""
+    cand = np.flatnonzero((s_nbytes[sp_chunk] >= SPLIT_MIN_BYTES) & ~live_chunk[sp_chunk] & (sp_count > 1))
+    splits: dict[int, list[list[int]]] = {}
+    for j in cand.tolist():
+        grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]]
+        ranks = p_rank[grp]
+        if (ranks == ranks[0]).all():
+            continue
+        c = int(sp_chunk[j])
+        k = int(s_key[c])
+        nd = max(int(nd_key[k]), 0)
+        co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
+        glo, gsz = boxes(grp)
+        by_rank: dict[int, list[int]] = {}
+        runs: dict[int, list] = {}
+        for x, r, o, z in zip(grp.tolist(), ranks.tolist(), glo.tolist(), gsz.tolist()):
+            by_rank.setdefault(r, []).append(x)
+            runs.setdefault(r, []).extend(byte_runs(co, cs, tuple(o[:nd]), tuple(z[:nd]), int(isz[k])))
+        if _disjoint_by_rank(runs):
+            splits[j] = list(by_rank.values())
+    if not splits:
+        return sp, sp_heads, sp_chunk, sp_count
+    groups: list = []
+    chunks: list[int] = []
+    for j in range(len(sp_heads)):
+        parts = splits.get(j) or [sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()]
+        groups += parts
+        chunks += [int(sp_chunk[j])] * len(parts)
+    count = np.array([len(g) for g in groups], np.int64)
+    heads = np.zeros(len(groups), np.int64)
+    np.cumsum(count[:-1], out=heads[1:])
+    return np.array([x for g in groups for x in g], np.int64), heads, np.array(chunks, np.int64), count
+
+
 def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
     """(request, chunk) pairs that overlap, for keys whose chunks are not split along one dimension."""
     out_q, out_c = [], []
@@ -599,8 +656,19 @@ def _plan_load_objects(
     incoming = [0] * world
     bytes_read = [0] * world
     order = sorted(wanted, key=lambda k: -chunk_of[k].nbytes)
+    parts = []  # (chunk, deliveries read together): a large chunk needed in disjoint parts, per rank
     for k in order:
         ch, dels = chunk_of[k], wanted[k]
+        by_rank: dict[int, list[Delivery]] = {}
+        for d in dels:
+            by_rank.setdefault(d.rank, []).append(d)
+        if ch.holders is None and ch.nbytes >= SPLIT_MIN_BYTES and len(by_rank) > 1 and _disjoint_by_rank(
+                {r: [x for d in ds for x in byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, itemsizes[ch.key])]
+                 for r, ds in by_rank.items()}):
+            parts += [(ch, ds) for ds in by_rank.values()]
+        else:
+            parts.append((ch, dels))
+    for ch, dels in parts:
         isz = itemsizes[ch.key]
         runs = merge_runs([r for d in dels for r in byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, isz)])
         nread = sum(e - s for s, e in runs)

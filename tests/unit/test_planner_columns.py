@@ -298,3 +298,45 @@ def test_load_of_whole_chunks_matches_the_box_by_box_path(n_save, n_load):
     expected = _plan_load_objects({k: list(v) for k, v in stored_sources(md).items()}, loads, {}, itemsizes)
     assert {r[1:] for r in _flatten(got)[0]} == {r[1:] for r in _flatten(expected)[0]}
     assert _flatten(got)[1] == _flatten(expected)[1]
+
+
+@pytest.mark.parametrize("n_save,n_load", [(4, 3), (2, 3), (3, 5), (4, 6)])
+def test_large_row_chunks_are_read_part_by_part_by_the_ranks_that_need_them(n_save, n_load):
+    """A row-sharded checkpoint of large chunks loaded onto another number of ranks: every rank
+    reads exactly its own rows (nothing goes through the exchange), on both planner paths."""
+    from raydcp.metadata import BLOCK_BYTES
+    from raydcp.planner.load import SPLIT_MIN_BYTES
+
+    rows, cols = 120, SPLIT_MIN_BYTES // 4 // 30 + 1  # each saved chunk is >= SPLIT_MIN_BYTES
+    tensors = {"w": TensorSpec("float32", (rows, cols)), "small": TensorSpec("float32", (rows, 2))}
+    plans = []
+    for r in range(n_save):
+        lo, n = r * rows // n_save, (r + 1) * rows // n_save - r * rows // n_save
+        plans.append(LocalSavePlan(r, tensors, (WriteItem("w", (lo, 0), (n, cols), n * cols * 4, None),
+                                                WriteItem("small", (lo, 0), (n, 2), n * 8, None)), {}))
+    gp = plan_save(plans, SavePlanOptions(save_id="s"))
+    stored = _stored(plans, tensors, gp)
+    blocks = {k: TensorMeta(t.dtype, t.shape, tuple(  # chunks above 1 MiB carry a checksum per block
+        ChunkMeta(c.offsets, c.sizes, c.file, c.byte_offset, c.nbytes, 0,
+                  (0,) * (-(-c.nbytes // BLOCK_BYTES) if c.nbytes > BLOCK_BYTES else 0)) for c in t.chunks))
+        for k, t in stored.tensors.items()}
+    md = decode_metadata(encode_metadata(Metadata("s", n_save, 0.0, blocks, {})))
+    loads = []
+    for r in range(n_load):
+        lo, n = r * rows // n_load, (r + 1) * rows // n_load - r * rows // n_load
+        loads.append(LocalLoadPlan(r, tensors, (ReadItem("w", (lo, 0), (n, cols)), ReadItem("small", (lo, 0), (n, 2))),
+                                   ()))
+    itemsizes = {"w": 4, "small": 4}
+    for got in (plan_load(stored_sources(md), loads, {}, itemsizes),
+                _plan_load_objects({k: list(v) for k, v in stored_sources(md).items()}, loads, {}, itemsizes)):
+        reads, _ = _flatten(got)
+        for rp in got:
+            mine = [r for r in reads if r[0] == rp.rank and r[1] == "w"]
+            assert mine and all({d[0] for d in r[-1]} == {rp.rank} for r in mine)  # only its own rows
+        w_read = sum(1 for r in reads if r[1] == "w")
+        assert w_read > n_save  # some saved chunk was split between ranks
+        # bytes: every rank reads what it needs of "w" and no more; "small" chunks are read whole once
+        assert sum(rp.bytes_read for rp in got) == sum(rp.bytes_needed for rp in got)
+        small_forwarded = sum(rp.incoming for rp in got)
+        assert small_forwarded == sum(1 for r in reads for d in r[-1] if d[0] != r[0])
+        assert all(d[0] == r[0] for r in reads if r[1] == "w" for d in r[-1])
