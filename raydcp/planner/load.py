@@ -4,12 +4,14 @@ Every needed byte of a source chunk is read by exactly one rank; a chunk is read
 rank that needs part of it where possible (the one needing most of it, ties to the
 least loaded), so read amplification is at most 1.0 and the reads are spread.
 
-A large stored chunk (at least ``SPLIT_MIN_BYTES``) that several ranks need in
-disjoint parts -- the usual case when a row-sharded checkpoint is loaded onto a
-different number of ranks -- is not read by one rank and forwarded: each rank
-reads its own part, so those bytes never go through the exchange. Smaller chunks
-are read whole by one rank (a partial read is widened to whole checksum blocks,
-so splitting a small chunk would read its bytes more than once).
+A stored chunk of at least ``SPLIT_MIN_BYTES`` that several ranks need in
+disjoint parts which together cover it -- the usual case when a row-sharded
+checkpoint is loaded onto a different number of ranks -- is not read by one rank
+and forwarded: each rank reads exactly its own part (``ChunkRead.joint``), so
+those bytes never go through the exchange. A checksum block that straddles two
+parts is verified jointly: each reader checksums its share of the block and the
+load's last step combines the shares and compares them with the stored
+checksum, so nothing is read twice and every byte is still verified.
 """
 from __future__ import annotations
 
@@ -28,14 +30,15 @@ from .types import (ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, ReadTable,
 __all__ = ["plan_load", "check_requests", "stored_sources", "SPLIT_MIN_BYTES"]
 
 # stored chunks from this size on are read part by part by the ranks that need the parts
-SPLIT_MIN_BYTES = 8 << 20
+SPLIT_MIN_BYTES = 1 << 20
 
 
-def _disjoint_by_rank(rank_runs: Mapping[int, list]) -> bool:
-    """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks."""
+def _splits(rank_runs: Mapping[int, list], nbytes: int) -> bool:
+    """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks and
+    together cover the whole chunk (so every checksum block is verified by its readers)."""
     merged = [merge_runs(runs) for runs in rank_runs.values()]
-    union = merge_runs([r for runs in merged for r in runs])
-    return sum(e - s for runs in merged for s, e in runs) == sum(e - s for s, e in union)
+    return sum(e - s for runs in merged for s, e in runs) == nbytes and \
+        merge_runs([r for runs in merged for r in runs]) == [(0, nbytes)]
 
 
 def check_requests(
@@ -389,8 +392,9 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     sp_heads = np.flatnonzero(np.r_[True, p_c[sp][1:] != p_c[sp][:-1]]) if len(sp) else np.zeros(0, np.int64)
     sp_chunk = p_c[sp][sp_heads]
     sp_count = np.diff(np.append(sp_heads, len(sp)))
+    sp_joint = np.zeros(len(sp_heads), bool)
     if len(sp_heads):
-        sp, sp_heads, sp_chunk, sp_count = _split_large_chunks(
+        sp, sp_heads, sp_chunk, sp_count, sp_joint = _split_large_chunks(
             sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes, s_off, s_size, s_key, nd_key, isz)
     sp_reader = np.full(len(sp_heads), -1, np.int64)
     sp_nread = np.zeros(len(sp_heads), np.int64)
@@ -466,6 +470,8 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         pos_sp = rb[:-1][rdr] + n_single[rdr] + np.arange(len(sp_order)) - sp_start[:-1][rdr]
         rchunk[pos_sp] = sp_chunk[sp_order]
         dcount[pos_sp] = sp_count[sp_order]
+        rjoint = np.zeros(nreads, bool)
+        rjoint[pos_sp] = sp_joint[sp_order]
     pb = np.zeros(nreads + 1, np.int64)
     np.cumsum(dcount, out=pb[1:])
     pairs = None if in_order else np.empty(npairs, np.int64)  # None: the pairs as they are
@@ -480,7 +486,8 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     d_lo, d_sz = (None, None) if whole else boxes(pairs)
     cols = {"key": s_key[rchunk], "offsets": _take(s_off, rchunk), "sizes": _take(s_size, rchunk),
             "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
-            "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz}
+            "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,
+            "joint": rjoint if len(sp_heads) and rjoint.any() else None}
     if stored:
         files = list(file_index)
         bl = s_blen[rchunk]
@@ -500,7 +507,8 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     plans = []
     for r, lp in enumerate(local_plans):
         a, b = int(rb[r]), int(rb[r + 1])
-        fields = {name: arr[a:b] for name, arr in cols.items() if not name.startswith(("d_", "block_"))}
+        fields = {name: arr[a:b] for name, arr in cols.items()
+                  if not name.startswith(("d_", "block_")) and arr is not None}
         fields.update({name: arr[pb[a]:pb[b]] for name, arr in cols.items()
                        if name.startswith("d_") and arr is not None})
         if stored:
@@ -519,8 +527,9 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
 
 def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes,
                         s_off, s_size, s_key, nd_key, isz):
-    """Regroup the pairs of every large stored chunk needed by several ranks in disjoint parts:
-    one group per rank (in the order the ranks first appear), so each rank reads its own part."""
+    """Regroup the pairs of every large stored chunk that several ranks need in disjoint parts
+    covering it: one group per rank (in the order the ranks first appear), so each rank reads its
+    own part. Also returns, per group, whether it is such a part (a joint read)."""
     cand = np.flatnonzero((s_nbytes[sp_chunk] >= SPLIT_MIN_BYTES) & ~live_chunk[sp_chunk] & (sp_count > 1))
     splits: dict[int, list[list[int]]] = {}
     for j in cand.tolist():
@@ -538,20 +547,23 @@ def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live
         for x, r, o, z in zip(grp.tolist(), ranks.tolist(), glo.tolist(), gsz.tolist()):
             by_rank.setdefault(r, []).append(x)
             runs.setdefault(r, []).extend(byte_runs(co, cs, tuple(o[:nd]), tuple(z[:nd]), int(isz[k])))
-        if _disjoint_by_rank(runs):
+        if _splits(runs, int(s_nbytes[c])):
             splits[j] = list(by_rank.values())
     if not splits:
-        return sp, sp_heads, sp_chunk, sp_count
+        return sp, sp_heads, sp_chunk, sp_count, np.zeros(len(sp_heads), bool)
     groups: list = []
     chunks: list[int] = []
+    joint: list[bool] = []
     for j in range(len(sp_heads)):
         parts = splits.get(j) or [sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()]
         groups += parts
         chunks += [int(sp_chunk[j])] * len(parts)
+        joint += [j in splits] * len(parts)
     count = np.array([len(g) for g in groups], np.int64)
     heads = np.zeros(len(groups), np.int64)
     np.cumsum(count[:-1], out=heads[1:])
-    return np.array([x for g in groups for x in g], np.int64), heads, np.array(chunks, np.int64), count
+    return (np.array([x for g in groups for x in g], np.int64), heads, np.array(chunks, np.int64), count,
+            np.array(joint, bool))
 
 
 def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
@@ -662,13 +674,13 @@ def _plan_load_objects(
         by_rank: dict[int, list[Delivery]] = {}
         for d in dels:
             by_rank.setdefault(d.rank, []).append(d)
-        if ch.holders is None and ch.nbytes >= SPLIT_MIN_BYTES and len(by_rank) > 1 and _disjoint_by_rank(
+        if ch.holders is None and ch.nbytes >= SPLIT_MIN_BYTES and len(by_rank) > 1 and _splits(
                 {r: [x for d in ds for x in byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, itemsizes[ch.key])]
-                 for r, ds in by_rank.items()}):
-            parts += [(ch, ds) for ds in by_rank.values()]
+                 for r, ds in by_rank.items()}, ch.nbytes):
+            parts += [(ch, ds, True) for ds in by_rank.values()]
         else:
-            parts.append((ch, dels))
-    for ch, dels in parts:
+            parts.append((ch, dels, False))
+    for ch, dels, joint in parts:
         isz = itemsizes[ch.key]
         runs = merge_runs([r for d in dels for r in byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, isz)])
         nread = sum(e - s for s, e in runs)
@@ -682,7 +694,7 @@ def _plan_load_objects(
             reader = min(ch.holders, key=lambda r: (load[r], r))
         load[reader] += nread
         bytes_read[reader] += nread
-        reads[reader].append(ChunkRead(ch, tuple(dels)))
+        reads[reader].append(ChunkRead(ch, tuple(dels), joint))
         for d in dels:
             if d.rank != reader:
                 incoming[d.rank] += 1

@@ -143,6 +143,9 @@ class Delivery:
 class ChunkRead:
     source: SourceChunk
     deliveries: tuple[Delivery, ...]
+    # the other parts of the chunk are read by other ranks: a checksum block this read covers only
+    # in part is verified jointly with them (the readers' CRCs of their shares, combined)
+    joint: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,11 +269,11 @@ class ReadTable(_Lazy):
     checksums ``block_values[block_bounds[i]:block_bounds[i + 1]]``) or, where ``sources`` is given,
     the SourceChunk ``sources[i]``; its deliveries are ``delivery_bounds[i]:delivery_bounds[i + 1]``
     of ``d_rank``, ``d_item``, ``d_offsets``, ``d_sizes`` (these two None where every delivery is
-    its whole chunk)."""
+    its whole chunk); ``joint`` (None: all False) marks reads verified jointly (:class:`ChunkRead`)."""
 
     __slots__ = ("keys", "dtypes", "ndims", "files", "key", "offsets", "sizes", "file", "byte_offset", "nbytes",
                  "checksum", "block_values", "block_bounds", "sources", "delivery_bounds", "d_rank", "d_item",
-                 "d_offsets", "d_sizes")
+                 "d_offsets", "d_sizes", "joint")
 
     def __init__(self, **fields):
         for name in self.__slots__:
@@ -300,16 +303,17 @@ class ReadTable(_Lazy):
                 srcs.append(SourceChunk(self.keys[k], self.dtypes[k], tuple(off[i][:nd]), tuple(size[i][:nd]),
                                         self.files[file[i]], boff[i], nb[i], None if crc[i] < 0 else crc[i],
                                         tuple(bv[bb[i]:bb[i + 1]])))
+        joint = [False] * len(key) if self.joint is None else [bool(x) for x in self.joint]
         out = []
         for i, k in enumerate(key):
             nd = nds[k]
             if whole:
                 out.append(ChunkRead(srcs[i], tuple(Delivery(d_rank[j], d_item[j], srcs[i].offsets, srcs[i].sizes)
-                                                    for j in range(db[i], db[i + 1]))))
+                                                    for j in range(db[i], db[i + 1])), joint[i]))
                 continue
             out.append(ChunkRead(srcs[i], tuple(
                 Delivery(d_rank[j], d_item[j], tuple(d_off[j][:nd]), tuple(d_size[j][:nd]))
-                for j in range(db[i], db[i + 1]))))
+                for j in range(db[i], db[i + 1])), joint[i]))
         return tuple(out)
 
     def __reduce__(self):

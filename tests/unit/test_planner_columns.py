@@ -340,3 +340,16 @@ def test_large_row_chunks_are_read_part_by_part_by_the_ranks_that_need_them(n_sa
         small_forwarded = sum(rp.incoming for rp in got)
         assert small_forwarded == sum(1 for r in reads for d in r[-1] if d[0] != r[0])
         assert all(d[0] == r[0] for r in reads if r[1] == "w" for d in r[-1])
+        # a read of part of a chunk is marked for joint verification; whole-chunk reads are not
+        for rp in got:
+            for cr in rp.reads:
+                whole = [d.sizes for d in cr.deliveries] == [cr.source.sizes]
+                assert cr.joint == (cr.source.key == "w" and not whole), (rp.rank, cr)
+
+    # ranks that need only some rows of a shared chunk: it is not split (nobody would verify the rest)
+    partial_loads = [LocalLoadPlan(r, tensors, (ReadItem("w", (lo, 0), (n - 1, cols)),), ())
+                     for r, (lo, n) in enumerate((r * rows // n_load, (r + 1) * rows // n_load - r * rows // n_load)
+                                                 for r in range(n_load))]
+    for got in (plan_load(stored_sources(md), partial_loads, {}, itemsizes),
+                _plan_load_objects({k: list(v) for k, v in stored_sources(md).items()}, partial_loads, {}, itemsizes)):
+        assert not any(cr.joint for rp in got for cr in rp.reads)
