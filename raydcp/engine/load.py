@@ -15,7 +15,7 @@ from ..planner.save import _agree_on_tensors, _agree_on_values, _tiling_problems
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
 from ..transport import Transport
-from .reads import ChunkReader, Deliverer, FileChunkReader, LiveChunkReader
+from .reads import ChunkReader, Deliverer, FileChunkReader, LiveChunkReader, check_shares
 from .save import local_save_plan
 
 __all__ = ["LoadStats", "load_with", "transfer_with", "read_metadata"]
@@ -78,13 +78,16 @@ def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: 
                 raise CheckpointError(f"rank {rank} received {out.received} pieces, expected {plan.incoming}")
         except Exception as exc:
             failure = RankFailure.from_exception(rank, exc)
-    # the last step doubles as the barrier after which senders may free their buffers
-    transport.reduce_scatter("load: finish", failure, _all_done)
+    # the last step doubles as the barrier after which senders may free their buffers; it also
+    # verifies the checksum blocks that several ranks read in shares (joint reads)
+    shares = getattr(reader, "shares", None) or []
+    transport.reduce_scatter("load: finish", failure if failure is not None else shares, _all_done)
     flat.finish_load(dict(plan.values))
     return nread
 
 
 def _all_done(values: list) -> list:
+    check_shares(share for shares in values if shares for share in shares)
     return [None] * len(values)
 
 

@@ -11,13 +11,13 @@ import crc32c
 import numpy as np
 import torch
 
-from ..codec import checksum, combine_block_checksums, itemsize, tensor_bytes, tensor_from_bytes
+from ..codec import checksum, combine_block_checksums, crc32c_combine, itemsize, tensor_bytes, tensor_from_bytes
 from ..errors import CheckpointError
 from ..metadata import BLOCK_BYTES
 from ..planner import ChunkRead, Delivery, SourceChunk, byte_runs, merge_runs
 from ..state import TensorLeaf
 
-__all__ = ["ChunkReader", "FileChunkReader", "LiveChunkReader", "Deliverer"]
+__all__ = ["ChunkReader", "FileChunkReader", "LiveChunkReader", "Deliverer", "check_shares"]
 
 POOL_MIN = 256 << 10    # whole chunks from this size on are read and verified in a thread pool ...
 TASK_BYTES = 8 << 20    # ... this many bytes per task (whole checksum blocks), overlapping reads with checks
@@ -109,10 +109,16 @@ def _mismatch(ch, lo: int, hi: int) -> CheckpointError:
 
 
 class FileChunkReader(ChunkReader):
-    """Reads stored chunks through a CheckpointStorage: only the needed byte runs, each once."""
+    """Reads stored chunks through a CheckpointStorage: only the needed byte runs, each once.
+
+    A joint read (``ChunkRead.joint``: other ranks read the rest of the chunk) reads exactly its
+    runs; a checksum block it covers only in part is not widened: the CRC of its share goes to
+    ``shares`` and :func:`check_shares` verifies the block from every reader's shares.
+    """
 
     def __init__(self, storage):
         self.storage = storage
+        self.shares: list[tuple] = []
 
     def read_all(self, reads: Iterable[ChunkRead], out: Deliverer) -> int:
         """Read a rank's chunks: whole chunks straight into host tensors, the rest one by one.
@@ -248,7 +254,10 @@ class FileChunkReader(ChunkReader):
             if d.rank == out.rank and d.sizes == ch.sizes and self._read_direct(cr, d, out):
                 return ch.nbytes
         per_delivery = [byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, isz) for d in cr.deliveries]
-        runs = _verifiable(merge_runs([r for rs in per_delivery for r in rs]), ch)
+        joint = getattr(cr, "joint", False) and ch.checksum is not None
+        runs = merge_runs([r for rs in per_delivery for r in rs])
+        if not joint:
+            runs = _verifiable(runs, ch)
         bufs = self._fetch(ch, runs)
         if runs == [(0, ch.nbytes)]:  # the whole chunk: verify it, then slice deliveries from it
             self._verify(ch, bufs[0])
@@ -257,7 +266,10 @@ class FileChunkReader(ChunkReader):
                 out.deliver(d, _narrow(whole, ch.offsets, d.offsets, d.sizes))
         else:  # parts of the chunk: verify the blocks read, assemble each delivery from them
             for (s, e), buf in zip(runs, bufs):
-                self._verify_blocks(ch, s, e, buf)
+                if joint:
+                    self._verify_share(ch, s, e, buf)
+                else:
+                    self._verify_blocks(ch, s, e, buf)
             starts = [s for s, _ in runs]
             for d, drs in zip(cr.deliveries, per_delivery):
                 parts = []
@@ -289,6 +301,23 @@ class FileChunkReader(ChunkReader):
         self._verify(ch, view)
         return True
 
+    def _verify_share(self, ch, start: int, end: int, buf) -> None:
+        """Verify the checksum blocks bytes [start, end) of ``ch`` cover whole; keep the CRCs of
+        the shares of the others (a chunk without block checksums is one block)."""
+        view = memoryview(buf)
+        block = BLOCK_BYTES if ch.block_checksums else ch.nbytes
+        for b in range(start // block, -(-end // block)):
+            lo_b, hi_b = b * block, min((b + 1) * block, ch.nbytes)
+            lo, hi = max(start, lo_b), min(end, hi_b)
+            expected = ch.block_checksums[b] if ch.block_checksums else ch.checksum
+            crc = checksum(view[lo - start:hi - start])
+            if (lo, hi) == (lo_b, hi_b):
+                if crc != expected:
+                    raise _mismatch(ch, lo, hi)
+            else:
+                self.shares.append((ch.key, tuple(ch.offsets), ch.file, ch.byte_offset + lo_b, hi_b - lo_b,
+                                    lo - lo_b, hi - lo_b, crc, expected))
+
     @staticmethod
     def _verify_blocks(ch, start: int, end: int, buf) -> None:
         view = memoryview(buf)
@@ -307,6 +336,32 @@ class FileChunkReader(ChunkReader):
                 f"{ch.key}: checksum mismatch in {ch.file} at bytes {ch.byte_offset}..{ch.byte_offset + ch.nbytes} "
                 f"(piece at {list(ch.offsets)}); the checkpoint is damaged: restore it from another copy"
             )
+
+
+def check_shares(shares: Iterable[tuple]) -> None:
+    """Verify the checksum blocks that several ranks read in shares (``FileChunkReader.shares``
+    of every rank): the shares of each block must tile it, and their CRCs, combined in order,
+    must give the block's stored checksum."""
+    blocks: dict[tuple[str, int], list[tuple]] = {}
+    for share in shares:
+        blocks.setdefault((share[2], share[3]), []).append(share)
+    for (file, at), parts in blocks.items():
+        parts.sort(key=lambda p: p[5])
+        key, offsets, _, _, length, _, _, _, expected = parts[0]
+        pos, crc = 0, None
+        for p in parts:
+            if p[5] != pos:
+                break
+            crc = p[7] if crc is None else crc32c_combine(crc, p[7], p[6] - p[5])
+            pos = p[6]
+        if pos != length:
+            raise CheckpointError(
+                f"{key}: bytes {at}..{at + length} of {file} (piece at {list(offsets)}) were read in parts "
+                f"that do not cover them, so their checksum cannot be checked; this is a bug in the load plan")
+        if crc != expected:
+            raise CheckpointError(
+                f"{key}: checksum mismatch in {file} at bytes {at}..{at + length} (piece at {list(offsets)}); "
+                f"the checkpoint is damaged: restore it from another copy")
 
 
 def _first(x: tuple) -> Any:

@@ -31,12 +31,15 @@ __all__ = ["plan_load", "check_requests", "stored_sources", "SPLIT_MIN_BYTES"]
 
 # stored chunks from this size on are read part by part by the ranks that need the parts
 SPLIT_MIN_BYTES = 1 << 20
+MAX_JOINT_RUNS = 16  # byte runs one rank may read of a split chunk
 
 
 def _splits(rank_runs: Mapping[int, list], nbytes: int) -> bool:
     """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks and
     together cover the whole chunk (so every checksum block is verified by its readers)."""
     merged = [merge_runs(runs) for runs in rank_runs.values()]
+    if any(len(runs) > MAX_JOINT_RUNS for runs in merged):
+        return False  # interleaved parts (a column split): one reader, fewer and larger reads
     return sum(e - s for runs in merged for s, e in runs) == nbytes and \
         merge_runs([r for runs in merged for r in runs]) == [(0, nbytes)]
 
