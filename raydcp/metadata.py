@@ -23,8 +23,8 @@ import pyarrow as pa
 from .codec import checksum, decode_value, encode_value, itemsize
 from .errors import CheckpointError
 
-__all__ = ["FORMAT_VERSION", "BLOCK_BYTES", "ChunkMeta", "ChunkTable", "TensorMeta", "Metadata", "encode_metadata",
-           "decode_metadata"]
+__all__ = ["FORMAT_VERSION", "BLOCK_BYTES", "ChunkMeta", "ChunkTable", "ChunkColumns", "TensorMeta", "TensorMetas",
+           "Metadata", "encode_metadata", "decode_metadata"]
 
 FORMAT_VERSION = (1, 0)
 MAGIC = b"RAYDCPM\n"
@@ -59,13 +59,17 @@ class ChunkTable(Sequence):
     """
 
     __slots__ = ("offsets", "sizes", "files", "file", "byte_offset", "nbytes", "checksum",
-                 "block_values", "block_bounds", "_objs")
+                 "block_values", "block_bounds", "_objs", "origin")
 
-    def __init__(self, offsets, sizes, files, file, byte_offset, nbytes, checksum, block_values, block_bounds):
+    def __init__(self, offsets, sizes, files, file, byte_offset, nbytes, checksum, block_values, block_bounds,
+                 origin=None):
         self.offsets, self.sizes, self.files, self.file = offsets, sizes, files, file
         self.byte_offset, self.nbytes, self.checksum = byte_offset, nbytes, checksum
         self.block_values, self.block_bounds = block_values, block_bounds
         self._objs = None
+        # (ChunkColumns, tensor index) when this table is one tensor's rows of a ChunkColumns:
+        # the encoder then takes the shared columns instead of concatenating the tables
+        self.origin = origin
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[ChunkMeta], ndim: int) -> "ChunkTable":
@@ -149,6 +153,164 @@ class TensorMeta:
         return sum(c.nbytes for c in self.chunks)
 
 
+class ChunkColumns:
+    """The chunks of every tensor of a checkpoint as one set of columns, grouped by tensor:
+    tensor t's chunks are rows ``rows[t]:rows[t + 1]``.
+
+    ``offsets`` and ``sizes`` are (n, width) int64 arrays; a tensor of ``ndim[t] < width``
+    dimensions has its boxes padded with offset 0 and size 1. ``file`` indexes ``files``;
+    ``block_values[block_bounds[i]:block_bounds[i + 1]]`` are row i's block checksums. This is
+    what the commit step builds and the decoder returns: the encoder writes it with array
+    operations in one go, and a :class:`ChunkTable` is made for a tensor only when asked for.
+    """
+
+    __slots__ = ("rows", "ndim", "offsets", "sizes", "files", "file", "byte_offset", "nbytes", "checksum",
+                 "block_values", "block_bounds")
+
+    def __init__(self, rows, ndim, offsets, sizes, files, file, byte_offset, nbytes, checksum, block_values,
+                 block_bounds):
+        self.rows, self.ndim, self.offsets, self.sizes, self.files = rows, ndim, offsets, sizes, files
+        self.file, self.byte_offset, self.nbytes, self.checksum = file, byte_offset, nbytes, checksum
+        self.block_values, self.block_bounds = block_values, block_bounds
+
+    def __len__(self) -> int:
+        """The number of tensors."""
+        return len(self.ndim)
+
+    def tables(self) -> list[ChunkTable]:
+        """One :class:`ChunkTable` per tensor, each a view of these columns."""
+        rows, nds = self.rows.tolist(), self.ndim.tolist()
+        width = self.offsets.shape[1]
+        off, size, files, file, boff = self.offsets, self.sizes, self.files, self.file, self.byte_offset
+        nbytes, crc, bv, bb = self.nbytes, self.checksum, self.block_values, self.block_bounds
+        out = []
+        for t, nd in enumerate(nds):
+            a, b = rows[t], rows[t + 1]
+            if nd == width:
+                o, s = off[a:b], size[a:b]
+            else:
+                o, s = off[a:b, :nd], size[a:b, :nd]
+            out.append(ChunkTable(o, s, files, file[a:b], boff[a:b], nbytes[a:b], crc[a:b], bv, bb[a:b + 1], (self, t)))
+        return out
+
+    def take(self, ids: np.ndarray) -> "ChunkColumns":
+        """The columns of tensors ``ids`` (in that order)."""
+        ids = np.asarray(ids, np.int64)
+        if len(ids) == len(self) and (ids == np.arange(len(ids))).all():
+            return self
+        start, counts = self.rows[:-1][ids], np.diff(self.rows)[ids]
+        rows = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(counts, out=rows[1:])
+        sel = np.repeat(start - rows[:-1], counts) + np.arange(int(rows[-1]))
+        blen = np.diff(self.block_bounds)[sel]
+        bounds = np.zeros(len(sel) + 1, np.int64)
+        np.cumsum(blen, out=bounds[1:])
+        bsel = np.repeat(self.block_bounds[:-1][sel] - bounds[:-1], blen) + np.arange(int(bounds[-1]))
+        return ChunkColumns(rows, self.ndim[ids], self.offsets[sel], self.sizes[sel], self.files, self.file[sel],
+                            self.byte_offset[sel], self.nbytes[sel], self.checksum[sel], self.block_values[bsel],
+                            bounds)
+
+    @classmethod
+    def concat(cls, tables: Sequence[ChunkTable], ndims: Sequence[int]) -> "ChunkColumns":
+        """Columns holding ``tables`` (tensor t's chunks, of ``ndims[t]`` dimensions) in order."""
+        k = len(tables)
+        counts = np.fromiter(map(len, tables), np.int64, k)
+        ndim = np.fromiter(ndims, np.int64, k)
+        rows = np.zeros(k + 1, np.int64)
+        np.cumsum(counts, out=rows[1:])
+        n = int(rows[-1])
+        width = max(1, int(ndim.max()) if k else 1)
+        used = [(t, ct) for t, ct in enumerate(tables) if len(ct)]
+        for t, ct in used:
+            nd = int(ndim[t])
+            if ct.offsets.shape != (len(ct), nd) or ct.sizes.shape != (len(ct), nd):
+                raise ValueError(f"tensor {t}: chunk boxes do not have {nd} dimensions")
+        files: dict[str, int] = {}
+        remap: dict[int, tuple[list, np.ndarray]] = {}  # id(file list) -> index in `files` of each of its files
+        file_parts, block_parts, block_lengths = [], [], []
+        for _, ct in used:
+            m = remap.get(id(ct.files))
+            if m is None or m[0] is not ct.files:
+                m = remap[id(ct.files)] = (ct.files, np.array([files.setdefault(f, len(files)) for f in ct.files],
+                                                              np.int64))
+            file_parts.append(m[1][ct.file])
+            lo, hi = int(ct.block_bounds[0]), int(ct.block_bounds[-1])
+            block_parts.append(ct.block_values[lo:hi])
+            block_lengths.append(np.diff(ct.block_bounds))
+
+        def cat(parts, dtype) -> np.ndarray:
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+        if (ndim[counts > 0] == width).all():
+            off = cat([ct.offsets.reshape(-1) for _, ct in used], np.int64).reshape(n, width)
+            size = cat([ct.sizes.reshape(-1) for _, ct in used], np.int64).reshape(n, width)
+        else:
+            off, size = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
+            for t, ct in used:
+                nd = int(ndim[t])
+                off[rows[t]:rows[t + 1], :nd], size[rows[t]:rows[t + 1], :nd] = ct.offsets, ct.sizes
+        bounds = np.zeros(n + 1, np.int64)
+        if block_lengths:
+            np.cumsum(np.concatenate(block_lengths), out=bounds[1:])
+        return cls(rows, ndim, off, size, list(files), cat(file_parts, np.int64),
+                   cat([ct.byte_offset for _, ct in used], np.int64), cat([ct.nbytes for _, ct in used], np.int64),
+                   cat([ct.checksum for _, ct in used], np.int64), cat(block_parts, np.uint32), bounds)
+
+
+class TensorMetas(Mapping):
+    """A read-only mapping name -> :class:`TensorMeta` over one :class:`ChunkColumns`.
+
+    The per-tensor objects are built on the first lookup, all at once; iteration over the names,
+    ``len``, :attr:`Metadata.total_bytes`, :attr:`Metadata.files` and :func:`encode_metadata`
+    work on the columns without building them.
+    """
+
+    __slots__ = ("names", "dtypes", "shapes", "columns", "_dict")
+
+    def __init__(self, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], columns: ChunkColumns):
+        if not len(names) == len(dtypes) == len(shapes) == len(columns):
+            raise ValueError("names, dtypes, shapes and columns differ in length")
+        self.names, self.dtypes, self.shapes, self.columns = names, dtypes, shapes, columns
+        self._dict: dict[str, TensorMeta] | None = None
+
+    def _all(self) -> dict[str, TensorMeta]:
+        if self._dict is None:
+            self._dict = dict(zip(self.names, map(TensorMeta, self.dtypes, self.shapes, self.columns.tables())))
+            if len(self._dict) != len(self.names):
+                raise ValueError("duplicate tensor names")
+        return self._dict
+
+    def __getitem__(self, key: str) -> TensorMeta:
+        return self._all()[key]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, key) -> bool:
+        return key in self._all()
+
+    def keys(self):
+        return self._all().keys()
+
+    def values(self):
+        return self._all().values()
+
+    def items(self):
+        return self._all().items()
+
+    def get(self, key, default=None):
+        return self._all().get(key, default)
+
+    def __repr__(self) -> str:
+        return f"TensorMetas({len(self)} tensors, {len(self.columns.nbytes)} chunks)"
+
+    def __reduce__(self):
+        return (TensorMetas, (self.names, self.dtypes, self.shapes, self.columns))
+
+
 @dataclass(frozen=True)
 class Metadata:
     """What a committed checkpoint holds (``raydcp.read_metadata`` returns it)."""
@@ -163,12 +325,21 @@ class Metadata:
 
     @property
     def total_bytes(self) -> int:
+        if isinstance(self.tensors, TensorMetas):
+            return int(self.tensors.columns.nbytes.sum())
         return sum(t.nbytes for t in self.tensors.values())
 
     @property
     def files(self) -> dict[str, int]:
         """Data file name -> bytes of tensor data it holds."""
         out: dict[str, int] = {}
+        if isinstance(self.tensors, TensorMetas):
+            cols = self.tensors.columns
+            if len(cols.file):
+                sums = np.bincount(cols.file, weights=cols.nbytes, minlength=len(cols.files))
+                for f in _first_use(cols.file).tolist():
+                    out[cols.files[f]] = int(sums[f])
+            return out
         for t in self.tensors.values():
             if isinstance(t.chunks, ChunkTable):
                 ct = t.chunks
@@ -200,66 +371,86 @@ _SCHEMA_FIELDS = [
 
 
 def encode_metadata(md: Metadata) -> bytes:
-    try:
-        tables = {name: ChunkTable.from_chunks(tm.chunks, len(tm.shape)) for name, tm in md.tensors.items()}
-    except ValueError:  # a chunk of the wrong dimension (written only to test readers): row by row
-        return _encode_rows(md)
-    names = list(md.tensors)
-    files: dict[str, int] = {}
-    remap: dict[int, tuple[list, np.ndarray]] = {}  # id(file table) -> global index of each of its files
-    parts: dict[str, list] = {f.name: [] for f in _SCHEMA_FIELDS}
-    counts, ndims, block_lengths = [], [], []
-    for ti, name in enumerate(names):
-        tm = md.tensors[name]
-        ct = tables[name]
-        n = len(ct)
-        counts.append(n)
-        ndims.append(len(tm.shape))
-        if not n:
-            continue
-        if ct.offsets.shape != (n, len(tm.shape)) or ct.sizes.shape != (n, len(tm.shape)):
-            raise CheckpointError(f"{name}: chunk boxes do not have {len(tm.shape)} dimensions")
-        table = remap.get(id(ct.files))
-        if table is None or table[0] is not ct.files:
-            table = (ct.files, np.array([files.setdefault(f, len(files)) for f in ct.files], np.int32))
-            remap[id(ct.files)] = table
-        parts["tensor"].append(np.full(n, ti, np.int32))
-        parts["offsets"].append(ct.offsets.reshape(-1))
-        parts["sizes"].append(ct.sizes.reshape(-1))
-        parts["file"].append(table[1][ct.file])
-        parts["byte_offset"].append(ct.byte_offset)
-        parts["nbytes"].append(ct.nbytes)
-        parts["checksum"].append(ct.checksum)
-        lo, hi = int(ct.block_bounds[0]), int(ct.block_bounds[-1])
-        parts["block_checksums"].append(ct.block_values[lo:hi])
-        block_lengths.append(np.diff(ct.block_bounds))
-    header = _header(md, names, list(files))
+    """The ``raydcp.meta`` bytes of ``md``.
 
-    def cat(name: str, dtype) -> np.ndarray:
-        return np.concatenate(parts[name]).astype(dtype, copy=False) if parts[name] else np.zeros(0, dtype)
+    The chunk columns are written with array operations in one go: taken as they are from a
+    :class:`TensorMetas` (what the commit step and the decoder build) or from tables that are
+    views of one :class:`ChunkColumns`, else concatenated from the tensors' chunk tables.
+    """
+    tensors = md.tensors
+    if isinstance(tensors, TensorMetas):
+        names, dtypes, shapes, cols = tensors.names, tensors.dtypes, tensors.shapes, tensors.columns
+    else:
+        names = list(tensors)
+        metas = list(tensors.values())
+        dtypes = [tm.dtype for tm in metas]
+        shapes = [tm.shape for tm in metas]
+        cols = _shared_columns(metas)
+        if cols is None:
+            try:
+                cols = ChunkColumns.concat([ChunkTable.from_chunks(tm.chunks, len(tm.shape)) for tm in metas],
+                                           [len(shape) for shape in shapes])
+            except ValueError:  # a chunk of the wrong dimension (written only to test readers): row by row
+                return _encode_rows(md)
+    return _encode_columns(md, names, dtypes, shapes, cols)
 
-    rows_nd = np.repeat(np.array(ndims, np.int64), np.array(counts, np.int64))
-    box_bounds = np.zeros(len(rows_nd) + 1, np.int64)
-    np.cumsum(rows_nd, out=box_bounds[1:])
-    block_bounds = np.zeros(len(rows_nd) + 1, np.int64)
-    if block_lengths:
-        np.cumsum(np.concatenate(block_lengths), out=block_bounds[1:])
+
+def _shared_columns(metas: list) -> ChunkColumns | None:
+    """The columns every tensor's chunk table is a view of (its rows, in order), or None."""
+    origins = [getattr(tm.chunks, "origin", None) for tm in metas]
+    if not origins or any(o is None for o in origins):
+        return None
+    cols = origins[0][0]
+    if any(o[0] is not cols for o in origins):
+        return None
+    ids = np.fromiter((o[1] for o in origins), np.int64, len(origins))
+    if (cols.ndim[ids] != np.fromiter((len(tm.shape) for tm in metas), np.int64, len(metas))).any():
+        return None
+    return cols.take(ids)
+
+
+def _first_use(file: np.ndarray) -> np.ndarray:
+    """The distinct values of ``file`` in the order of their first occurrence."""
+    used, first = np.unique(file, return_index=True)
+    return used[np.argsort(first, kind="stable")]
+
+
+def _encode_columns(md: Metadata, names: list[str], dtypes: list[str], shapes: list, cols: ChunkColumns) -> bytes:
+    n, k = len(cols.nbytes), len(names)
+    counts = np.diff(cols.rows)
+    nd_row = np.repeat(cols.ndim, counts)
+    width = cols.offsets.shape[1]
+    if (nd_row == width).all():
+        offs, sizes = cols.offsets.reshape(-1), cols.sizes.reshape(-1)
+    else:  # tensors of fewer dimensions than the widest: drop their padding
+        keep = np.arange(width) < nd_row[:, None]
+        offs, sizes = cols.offsets[keep], cols.sizes[keep]
+    box_bounds = np.zeros(n + 1, np.int64)
+    np.cumsum(nd_row, out=box_bounds[1:])
+    lo, hi = (int(cols.block_bounds[0]), int(cols.block_bounds[-1])) if n else (0, 0)
+    block_bounds = cols.block_bounds - lo if n else np.zeros(1, np.int64)
     for b in (box_bounds, block_bounds):
         if b[-1] >= 1 << 31:
             raise CheckpointError("metadata too large: more than 2**31 list entries in one column")
-    crcs = cat("checksum", np.int64)
-    if len(crcs) and (crcs.min() < 0 or crcs.max() > 0xFFFFFFFF):
+    crcs = np.asarray(cols.checksum)
+    if n and (crcs.min() < 0 or crcs.max() > 0xFFFFFFFF):
         raise CheckpointError("a chunk checksum is not a 32-bit unsigned integer")
+    # the header lists the files in the order of their first use, each once
+    used = _first_use(cols.file) if n else np.zeros(0, np.int64)
+    index = np.zeros(len(cols.files), np.int32)
+    index[used] = np.arange(len(used), dtype=np.int32)
+    files = [cols.files[f] for f in used.tolist()]
+    header = _header(md, names, files, (dtypes, shapes))
     offsets32, blocks32 = pa.array(box_bounds.astype(np.int32)), pa.array(block_bounds.astype(np.int32))
     arrays = [
-        pa.array(cat("tensor", np.int32)),
-        pa.ListArray.from_arrays(offsets32, pa.array(cat("offsets", np.int64))),
-        pa.ListArray.from_arrays(offsets32, pa.array(cat("sizes", np.int64))),
-        pa.array(cat("file", np.int32)),
-        pa.array(cat("byte_offset", np.int64)),
-        pa.array(cat("nbytes", np.int64)),
+        pa.array(np.repeat(np.arange(k, dtype=np.int32), counts)),
+        pa.ListArray.from_arrays(offsets32, pa.array(offs.astype(np.int64, copy=False))),
+        pa.ListArray.from_arrays(offsets32, pa.array(sizes.astype(np.int64, copy=False))),
+        pa.array(index[cols.file] if n else np.zeros(0, np.int32)),
+        pa.array(np.asarray(cols.byte_offset, np.int64)),
+        pa.array(np.asarray(cols.nbytes, np.int64)),
         pa.array(crcs.astype(np.uint32)),
-        pa.ListArray.from_arrays(blocks32, pa.array(cat("block_checksums", np.uint32))),
+        pa.ListArray.from_arrays(blocks32, pa.array(np.asarray(cols.block_values[lo:hi], np.uint32))),
     ]
     return _envelope(arrays, header)
 
@@ -282,14 +473,16 @@ def _encode_rows(md: Metadata) -> bytes:
     return _envelope([pa.array(cols[f.name], type=f.type) for f in _SCHEMA_FIELDS], header)
 
 
-def _header(md: Metadata, names: list[str], files: list[str]) -> dict:
+def _header(md: Metadata, names: list[str], files: list[str], specs: tuple[list, list] | None = None) -> dict:
+    dtypes, shapes = specs if specs is not None else ([md.tensors[n].dtype for n in names],
+                                                      [md.tensors[n].shape for n in names])
     return {
         "format": "raydcp",
         "save_id": md.save_id,
         "world_size": md.world_size,
         "created_at": md.created_at,
         "block_bytes": BLOCK_BYTES,
-        "tensors": [[n, md.tensors[n].dtype, list(md.tensors[n].shape)] for n in names],
+        "tensors": [[n, d, list(s)] for n, d, s in zip(names, dtypes, shapes)],
         "files": files,
         "values": {k: encode_value(v) for k, v in md.values.items()},
         "extra": {k: encode_value(v) for k, v in md.extra.items()},
@@ -347,6 +540,8 @@ def _decode_payload(payload: memoryview) -> Metadata:
     if int(header.get("block_bytes", BLOCK_BYTES)) != BLOCK_BYTES:
         raise CheckpointError(f"checksum block size {header.get('block_bytes')} is not {BLOCK_BYTES}")
     specs = [(str(name), str(dtype), tuple(int(s) for s in shape)) for name, dtype, shape in header["tensors"]]
+    if len({s[0] for s in specs}) != len(specs):
+        raise CheckpointError("a tensor is listed twice in the header")
     files = [str(f) for f in header["files"]]
     tensors = _decode_chunks(table, specs, files)
     return Metadata(
@@ -380,9 +575,9 @@ def _list(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
     return values[bounds[0]:bounds[-1]] if len(bounds) else values[:0], bounds - (bounds[0] if len(bounds) else 0)
 
 
-def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> dict[str, TensorMeta]:
-    """Validate every chunk against its tensor with array operations and return one TensorMeta per
-    tensor whose chunks are a ChunkTable over the decoded columns (no per-chunk objects)."""
+def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[str, TensorMeta]:
+    """Validate every chunk against its tensor with array operations and return the tensors as a
+    :class:`TensorMetas` over the decoded columns (no per-chunk or per-tensor objects)."""
     n, k = table.num_rows, len(specs)
     tcol = _column(table, "tensor", np.int64)
     if n and (tcol.min() < 0 or tcol.max() >= k):
@@ -444,14 +639,14 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> dict[str, 
         raise CheckpointError(f"chunk of {name!r} at {offs} does not fit the tensor's shape {shape}")
 
     rows = np.searchsorted(tcol, np.arange(k + 1))
-    tensors = {}
-    for t, (name, dtype, shape) in enumerate(specs):
-        a, b = int(rows[t]), int(rows[t + 1])
-        nd = len(shape)
-        ct = ChunkTable(ov[ob[a]:ob[b]].reshape(b - a, nd), sv[sb[a]:sb[b]].reshape(b - a, nd), files,
-                        fcol[a:b], byte_off[a:b], nbytes[a:b], crcs[a:b], bv, bb[a:b + 1])
-        tensors[name] = TensorMeta(dtype, shape, ct)
-    return tensors
+    if uniform:
+        off2, size2 = o2, s2
+    else:  # pad the boxes of tensors of fewer dimensions (offset 0, size 1)
+        width = max(1, int(ndim.max()) if k else 1)
+        off2, size2 = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
+        off2[row_of, dim_of], size2[row_of, dim_of] = ov, sv
+    cols = ChunkColumns(rows, ndim, off2, size2, files, fcol, byte_off, nbytes, crcs, bv, bb)
+    return TensorMetas([s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs], cols)
 
 
 def _decode_rows(table: pa.Table, specs: list, files: list[str]) -> dict[str, TensorMeta]:

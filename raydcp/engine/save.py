@@ -12,7 +12,7 @@ import torch
 
 from ..codec import checksum, combine_block_checksums
 from ..errors import CheckpointError, RankFailure
-from ..metadata import BLOCK_BYTES, ChunkTable, Metadata, TensorMeta, encode_metadata
+from ..metadata import BLOCK_BYTES, ChunkColumns, Metadata, TensorMetas, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
@@ -196,17 +196,24 @@ def _reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Seq
     return [md] * len(values)
 
 
-def _tensor_metas(tensors: dict[str, TensorSpec], records: list[tuple]) -> dict[str, TensorMeta]:
-    """Every tensor's metadata from the ranks' storage records, its chunks sorted by offsets and
-    held as columns (a ChunkTable over arrays shared by all tensors: no object per chunk)."""
+def _tensor_metas(tensors: dict[str, TensorSpec], records: list[tuple]) -> TensorMetas:
+    """Every tensor's metadata from the ranks' storage records: one set of chunk columns for all
+    tensors (:class:`ChunkColumns`), grouped by tensor and each tensor's chunks sorted by offsets;
+    no object per chunk or per tensor."""
     keys = list(tensors)
+    specs = list(tensors.values())
     n = len(records)
+    width = max(1, *(len(s.shape) for s in specs)) if specs else 1
+    ndim = np.fromiter((len(s.shape) for s in specs), np.int64, len(specs))
     if n == 0:
-        return {k: TensorMeta(s.dtype, s.shape, ()) for k, s in tensors.items()}
+        empty = np.zeros(0, np.int64)
+        cols = ChunkColumns(np.zeros(len(keys) + 1, np.int64), ndim, np.zeros((0, width), np.int64),
+                            np.ones((0, width), np.int64), [], empty, empty, empty, empty, np.zeros(0, np.uint32),
+                            np.zeros(1, np.int64))
+        return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
     kid = {k: i for i, k in enumerate(keys)}
-    width = max(1, *(len(s.shape) for s in tensors.values()))
     rkey, roff, rsize, rfile, rboff, rnbytes, rcrc, rblocks = zip(*records)
-    key = np.fromiter((kid[k] for k in rkey), np.int64, n)
+    key = np.fromiter(map(kid.__getitem__, rkey), np.int64, n)
     if all(len(o) == width for o in roff):
         off, size = np.array(roff, np.int64).reshape(n, width), np.array(rsize, np.int64).reshape(n, width)
     else:  # tensors of fewer dimensions: pad their boxes (offset 0, size 1)
@@ -227,21 +234,9 @@ def _tensor_metas(tensors: dict[str, TensorSpec], records: list[tuple]) -> dict[
     np.cumsum(blen, out=bounds[1:])
     key, off, size, file = key[order], off[order], size[order], file[order]
     boff, nbytes, crc = (np.array(c, np.int64)[order] for c in (rboff, rnbytes, rcrc))
-    files = list(names)
-    rows = np.searchsorted(key, np.arange(len(keys) + 1)).tolist()
-    blocks_at = bounds.tolist()
-    no_blocks, zeros = np.zeros(0, np.uint32), np.zeros(n + 1, np.int64)
-    out = {}
-    for i, (k, spec) in enumerate(tensors.items()):
-        a, b = rows[i], rows[i + 1]
-        nd = len(spec.shape)
-        lo, hi = blocks_at[a], blocks_at[b]
-        # each table gets its own block values, its bounds starting at 0
-        tb = (bval[lo:hi], bounds[a:b + 1] - lo) if hi > lo else (no_blocks, zeros[:b - a + 1])
-        boxes = (off[a:b], size[a:b]) if nd == width else (off[a:b, :nd], size[a:b, :nd])
-        out[k] = TensorMeta(spec.dtype, spec.shape,
-                            ChunkTable(*boxes, files, file[a:b], boff[a:b], nbytes[a:b], crc[a:b], *tb))
-    return out
+    rows = np.searchsorted(key, np.arange(len(keys) + 1))
+    cols = ChunkColumns(rows, ndim, off, size, list(names), file, boff, nbytes, crc, bval, bounds)
+    return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
 
 
 def save_with(

@@ -150,3 +150,58 @@ def test_block_checksums_of_every_tensor_survive_decoding():
     back = decode_metadata(encode_metadata(Metadata("x", 1, 0.0, tensors, {})))
     assert [c.block_checksums for t in back.tensors.values() for c in t.chunks] == [(100, 200), (101, 201), (102, 202)]
     assert [back.tensors[k].chunks[0].block_checksums for k in tensors] == [(100, 200), (101, 201), (102, 202)]
+
+
+def _mixed() -> Metadata:
+    big = 2 * BLOCK + 4
+    tensors = {
+        "a": TensorMeta("uint8", (big, 2), (ChunkMeta((0, 0), (big, 1), "f1", 0, big, 1, (10, 11, 12)),
+                                            ChunkMeta((0, 1), (big, 1), "f0", 0, big, 2, (13, 14, 15)))),
+        "s": TensorMeta("int64", (), (ChunkMeta((), (), "f2", 64, 8, 3),)),
+        "e": TensorMeta("float32", (0, 3), ()),
+        "v": TensorMeta("float32", (6,), (ChunkMeta((3,), (3,), "f2", 128, 12, 4), ChunkMeta((0,), (3,), "f1", 0, 12, 5))),
+    }
+    return Metadata("x", 2, 3.0, tensors, {"step": 1})
+
+
+def test_decoded_tensors_are_columns_built_into_objects_on_lookup():
+    from raydcp.metadata import ChunkColumns, TensorMetas
+
+    md = _mixed()
+    blob = encode_metadata(md)
+    back = decode_metadata(blob)
+    assert isinstance(back.tensors, TensorMetas) and isinstance(back.tensors.columns, ChunkColumns)
+    assert list(back.tensors) == list(md.tensors) and len(back.tensors) == 4
+    # totals come from the columns, before any per-tensor object exists
+    assert back.total_bytes == md.total_bytes and back.files == md.files
+    assert back.tensors._dict is None
+    assert dict(back.tensors.items()) == dict(md.tensors.items()) and "a" in back.tensors and "zz" not in back.tensors
+    assert back.tensors["a"].chunks.origin[0] is back.tensors.columns
+    assert encode_metadata(back) == blob
+
+
+def test_tables_viewing_one_set_of_columns_encode_as_the_objects_do():
+    md = _mixed()
+    cols = decode_metadata(encode_metadata(md)).tensors
+    tables = cols.columns.tables()
+    views = {name: TensorMeta(t.dtype, t.shape, table) for (name, t), table in zip(md.tensors.items(), tables)}
+    assert encode_metadata(Metadata("x", 2, 3.0, views, {"step": 1})) == encode_metadata(md)
+    # a subset in another order takes the rows of just those tensors
+    sub = {k: views[k] for k in ("v", "a", "e")}
+    assert encode_metadata(Metadata("x", 2, 3.0, sub, {})) == encode_metadata(
+        Metadata("x", 2, 3.0, {k: md.tensors[k] for k in sub}, {}))
+    back = decode_metadata(encode_metadata(Metadata("x", 2, 3.0, sub, {})))
+    assert dict(back.tensors.items()) == {k: md.tensors[k] for k in sub}
+    assert back.files == {"f0": 2 * BLOCK + 4, "f1": 2 * BLOCK + 16, "f2": 12}
+
+
+def test_a_tensor_listed_twice_in_the_header_is_refused():
+    from raydcp.metadata import _SCHEMA_FIELDS, _envelope, _header
+
+    import pyarrow as pa
+
+    md = sample()
+    header = _header(md, ["w", "w"], ["data/x/r0.bin"])
+    cols = [pa.array([], f.type) for f in _SCHEMA_FIELDS]
+    with pytest.raises(CheckpointError, match="listed twice"):
+        decode_metadata(_envelope(cols, header))
