@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from ..metadata import BLOCK_BYTES, ChunkTable
+from ..metadata import BLOCK_BYTES, ChunkColumns, ChunkTable
 from .boxes import numel
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
 
@@ -448,6 +448,8 @@ def chunk_tables(gp: GlobalSavePlan, local_plans: Sequence[LocalSavePlan],
     ``checksums[r]`` holds the CRC32C of rank r's slots in the order of its ``files`` (zeros
     when None); ``block_checksums[r]`` is ``(values, bounds)`` for them, in the same order
     (needed only where a piece is larger than one checksum block). Chunks are sorted by offsets.
+    The tables are views of one :class:`~raydcp.metadata.ChunkColumns`, which the metadata
+    encoder then writes whole.
     """
     keys = list(gp.tensors)
     kid = {key: i for i, key in enumerate(keys)}
@@ -506,10 +508,6 @@ def chunk_tables(gp: GlobalSavePlan, local_plans: Sequence[LocalSavePlan],
     off, size = np.take(off, order, axis=0), np.take(size, order, axis=0)
     file, boff, nbytes, crc = (cat[name][order] for name in ("file", "boff", "nbytes", "crc"))
     rows = np.searchsorted(key, np.arange(len(keys) + 1))
-    out = {}
-    for i, name in enumerate(keys):
-        a, b = int(rows[i]), int(rows[i + 1])
-        nd = len(gp.tensors[name].shape)
-        out[name] = ChunkTable(off[a:b, :nd], size[a:b, :nd], files, file[a:b], boff[a:b], nbytes[a:b], crc[a:b],
-                               bval, bounds[a:b + 1])
-    return out
+    ndim = np.fromiter((len(s.shape) for s in gp.tensors.values()), np.int64, len(keys))
+    cols = ChunkColumns(rows, ndim, off, size, files, file, boff, nbytes, crc, bval, bounds)
+    return dict(zip(keys, cols.tables()))
