@@ -107,6 +107,20 @@ def test_reshard_in_memory(ray_session, pool, src, full, tmp_path, n, n_layout, 
     assert_holds(ray_session, pool[n], full, n_layout)  # the source group keeps its state
 
 
+def test_large_chunks_shared_by_ranks_are_read_in_shares(ray_session, pool, tmp_path):
+    """Chunks of a few MiB that several ranks need in parts: each rank reads its own rows and the
+    straddled checksum blocks are verified from the ranks' shares, through the coordinator."""
+    g = torch.Generator().manual_seed(3)
+    big = {"big": torch.randint(0, 256, (480 * 4096 * 4,), dtype=torch.uint8, generator=g).view(torch.float32)
+           .reshape(480, 4096), "step": 3}
+    raydcp.save(big, tmp_path / "one")  # one 7.5 MiB chunk, needed by 4 ranks in rows
+    pool[4].load(tmp_path / "one", layout="dim0")
+    assert_holds(ray_session, pool[4], big, "dim0")
+    pool[4].save(tmp_path / "four")  # four chunks of 1.875 MiB: 4 -> 3 splits two of them
+    pool[3].load(tmp_path / "four", layout="dim0")
+    assert_holds(ray_session, pool[3], big, "dim0")
+
+
 def test_full_state_dict(pool, src, full):
     got = pool[4].load(src, layout="dim1").full_state_dict()
     assert set(got) == set(full)
