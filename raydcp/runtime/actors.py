@@ -14,7 +14,8 @@ import time
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RankFailure
+from ..transport import decode, encode
 from .coordinator import Coordinator
 
 NAMESPACE = "raydcp"
@@ -60,6 +61,7 @@ class CoordinatorHost:
         self.creator_rank = creator_rank
         self.ops: dict[int, Coordinator] = {}
         self.failed: dict[int, tuple[str, float]] = {}
+        self._memo: tuple | None = None  # (last reply object, its Wire)
 
     def _get(self, op: int, world_size: int, timeout_s: float) -> Coordinator:
         coord = self.ops.get(op)
@@ -80,10 +82,31 @@ class CoordinatorHost:
             f"already ended the operation (it failed while rank {rank} was late: {msg.splitlines()[0]})")
 
     async def reduce_scatter(self, op, timeout_s, rank, world_size, seq, step, local, reduce_fn):
+        """``local`` and the reply travel as ``raydcp.transport.Wire`` where the rank could encode it."""
         ended = self._ended(op, rank, step)
         if ended is not None:
             return ended
-        return await self._get(op, world_size, timeout_s).reduce_scatter(rank, world_size, seq, step, local, reduce_fn)
+        try:
+            local = decode(local)
+        except Exception as exc:  # the rank takes part as a failure, so that no rank waits for it
+            local = RankFailure(rank, f"its value could not be decoded by the coordinator: {type(exc).__name__}: {exc}")
+        creator, value = await self._get(op, world_size, timeout_s).reduce_scatter(
+            rank, world_size, seq, step, local, reduce_fn)
+        return creator, self._encode(value)
+
+    def _encode(self, value):
+        """A reply as a Wire, encoded once for all ranks that get the same object (the commit's metadata)."""
+        if value is None or isinstance(value, BaseException):
+            return value
+        memo = self._memo
+        if memo is not None and memo[0] is value:
+            return memo[1]
+        try:
+            wire = encode(value)
+        except Exception:  # Ray's own pickling then
+            return value
+        self._memo = (value, wire)
+        return wire
 
     async def exchange(self, op, timeout_s, rank, world_size, seq, step, outgoing):
         ended = self._ended(op, rank, step)

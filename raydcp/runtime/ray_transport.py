@@ -10,14 +10,17 @@ long-lived actor per group, the data plane through Ray's object store:
    operation costs no actor start); the host makes operation ``op``'s
    coordinator on its first call.
 2. ``reduce_scatter``: the rank sends its value to the coordinator and blocks on
-   the reply; the coordinator bounds the wait by ``group.timeout_s``.
+   the reply; the coordinator bounds the wait by ``group.timeout_s``. Values and
+   replies travel as ``raydcp.transport.Wire`` (plans as their columns; one
+   bytes object for Ray to carry), or as themselves where that pickling fails.
 3. ``exchange``: the sender puts each buffer into the object store as an Arrow
    buffer and sends only the ObjectRefs (nested in lists, so Ray does not
    resolve them on the way) through the coordinator; each receiver fetches all
    of its refs with one ``ray.get`` and gets zero-copy ``pyarrow.Buffer`` views
    of shared memory (buffers to itself skip the object store). The sender keeps
    the refs, and so the objects, alive until its next ``reduce_scatter`` returns.
-4. ``close`` drops the refs and tells the coordinator; when every rank closed,
+4. ``close`` drops the refs and tells the coordinator without waiting for its
+   answer (the next operation of the group checks it); when every rank closed,
    the host drops the operation's coordinator (a failed one is remembered for
    ``timeout_s``, so a late rank learns at once that the others ended it).
 
@@ -33,7 +36,7 @@ import torch
 from ray import exceptions as rex
 
 from ..errors import CheckpointError, RankFailure
-from ..transport import Transport, _unwrap, run_reduce
+from ..transport import Transport, _unwrap, decode, encode, run_reduce
 from . import actors
 
 __all__ = ["RayTransport"]
@@ -57,6 +60,27 @@ def _as_buffer(buf: Any) -> pa.Buffer:
     return pa.py_buffer(buf)
 
 
+# group name -> the ObjectRef of this process's last close() to that group's coordinator host
+_LAST_CLOSE: dict[str, ray.ObjectRef] = {}
+
+
+def _check_last_close(group_name: str) -> None:
+    """If this process's last close to the group's host found it dead, forget the host (a new one is made)."""
+    ref = _LAST_CLOSE.get(group_name)
+    if ref is None:
+        return
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return
+    del _LAST_CLOSE[group_name]
+    try:
+        ray.get(ref, timeout=0)
+    except rex.RayActorError:  # the host died (its creator's process ended)
+        actors.forget_coordinator(group_name)
+    except Exception:
+        pass
+
+
 class RayTransport(Transport):
     """The transport of one operation of a :class:`raydcp.Group` whose ranks run on Ray."""
 
@@ -72,6 +96,7 @@ class RayTransport(Transport):
         self._creator: int | None = None
         self._coord = None
         if self.world_size > 1:
+            _check_last_close(group.name)
             self._coord = actors.get_or_create_coordinator(group.name, self.world_size, self.rank)
 
     @property
@@ -157,9 +182,8 @@ class RayTransport(Transport):
             return
         coord, self._coord = self._coord, None
         try:
-            ray.get(coord.close.remote(self.op, self.rank), timeout=min(self._timeout_s, 30.0))
-        except rex.RayActorError:  # the host died (its creator's process ended): the next operation makes a new one
-            actors.forget_coordinator(self.group.name)
+            # no wait for the answer (a round trip per operation): the next operation of the group checks it
+            _LAST_CLOSE[self.group.name] = coord.close.remote(self.op, self.rank)
         except Exception:  # unreachable: nothing to release
             pass
 
@@ -168,18 +192,23 @@ class RayTransport(Transport):
         if self._closed:
             raise CheckpointError(f"{step}: the transport of group '{self.group.name}' operation {self.op} is closed")
 
-    def _call(self, step: str, method: str, *args):
+    def _call(self, step: str, method: str, value, *args):
         """One call to the coordinator: returns the rank's value (possibly a CheckpointError)."""
         remote = getattr(self._coord, method).remote
+        if method == "reduce_scatter":  # exchange values hold ObjectRefs: Ray must see those itself
+            try:
+                value = encode(value)
+            except Exception:  # Ray's own pickling may still manage, or says why not below
+                pass
         try:
-            ref = remote(self.op, self._timeout_s, self.rank, self.world_size, self._seq, step, *args)
+            ref = remote(self.op, self._timeout_s, self.rank, self.world_size, self._seq, step, value, *args)
         except Exception as exc:  # the value could not be serialized: still take part, as a failure
             failure = RankFailure(self.rank, f"could not send its value to the coordinator: {type(exc).__name__}: {exc}")
             extra = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
             ref = remote(self.op, self._timeout_s, self.rank, self.world_size, self._seq, step, failure, *extra)
         try:
             self._creator, value = ray.get(ref, timeout=self._timeout_s + _REPLY_GRACE_S)
-            return value
+            return decode(value)
         except rex.GetTimeoutError:
             return CheckpointError(
                 f"{step}: the coordinator {self.coordinator_name!r} did not answer rank {self.rank} within "
