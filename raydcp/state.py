@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .codec import dtype_name, is_plain_value
+from .codec import DTYPES, dtype_name, is_plain_value
 from .errors import CheckpointError
 
 __all__ = ["Shard", "TensorLeaf", "FlatState", "flatten_state"]
@@ -83,6 +83,9 @@ class FlatState:
 
 
 _STRIDED = torch.strided
+_DTYPE_NAMES = {dt: dtype_name(dt) for dt in DTYPES.values()}
+_ZERO_OFFSETS = [(0,) * n for n in range(8)]
+_new_leaf = tuple.__new__  # a TensorLeaf from its fields without the generated __new__
 # exactly these types are plain tensors; subclasses (DTensor, a Parameter holding one) take the general path
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
@@ -164,8 +167,15 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
             for k, v in list(x.items()):
                 if not isinstance(k, (str, int)):
                     raise CheckpointError(f"{fqn or '<root>'}: dict key {k!r} of type {type(k).__name__}; keys must be str or int")
-                if type(v) in _PLAIN_TENSOR_TYPES:  # the common leaf: no setter, no recursion
-                    whole_tensor(v, f"{prefix}{k}")
+                if type(v) in _PLAIN_TENSOR_TYPES and v.layout is _STRIDED:  # the common leaf, inline
+                    key = f"{prefix}{k}"
+                    if key in tensors or key in values:
+                        add(key)
+                    shape = tuple(v.shape)
+                    nd = len(shape)
+                    zeros = _ZERO_OFFSETS[nd] if nd < len(_ZERO_OFFSETS) else (0,) * nd
+                    name = _DTYPE_NAMES.get(v.dtype) or dtype_name(v.dtype)
+                    tensors[key] = _new_leaf(TensorLeaf, (key, v, zeros, shape, name, True))
                 else:
                     visit(v, f"{prefix}{k}", _item_setter(x, k))
         elif isinstance(x, (list, tuple)) and _has_tensor(x):
