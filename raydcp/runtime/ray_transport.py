@@ -13,11 +13,12 @@ long-lived actor per group, the data plane through Ray's object store:
    the reply; the coordinator bounds the wait by ``group.timeout_s``. Values and
    replies travel as ``raydcp.transport.Wire`` (plans as their columns; one
    bytes object for Ray to carry), or as themselves where that pickling fails.
-3. ``exchange``: the sender puts each buffer into the object store as an Arrow
-   buffer and sends only the ObjectRefs (nested in lists, so Ray does not
-   resolve them on the way) through the coordinator; each receiver fetches all
-   of its refs with one ``ray.get`` and gets zero-copy ``pyarrow.Buffer`` views
-   of shared memory (buffers to itself skip the object store). The sender keeps
+3. ``exchange``: the sender puts the buffers for each destination into the
+   object store as one list of Arrow buffers and sends only the ObjectRefs, with
+   the tags, (nested in lists, so Ray does not resolve them on the way) through
+   the coordinator; each receiver fetches all of its refs with one ``ray.get``
+   and gets zero-copy ``pyarrow.Buffer`` views of shared memory (buffers to
+   itself skip the object store). The sender keeps
    the refs, and so the objects, alive until its next ``reduce_scatter`` returns.
 4. ``close`` drops the refs and tells the coordinator without waiting for its
    answer (the next operation of the group checks it); when every rank closed,
@@ -126,20 +127,21 @@ class RayTransport(Transport):
                 raise CheckpointError(f"{step}: destination ranks {bad} do not exist in a group of 1")
             return [(tag, _as_buffer(buf)) for tag, buf in outgoing.get(0, [])]
 
-        to_self: list[pa.Buffer] = []
+        to_self: list[list[pa.Buffer]] = []
         try:
             routed: dict[int, list] = {}
             for dest, items in outgoing.items():
-                entries = []
-                for tag, buf in items:
-                    if dest == self.rank:
-                        to_self.append(_as_buffer(buf))
-                        entries.append((tag, None))
-                    else:
-                        ref = ray.put(_as_buffer(buf))
-                        self._held.append(ref)
-                        entries.append((tag, ref))
-                routed[dest] = entries
+                if not items:
+                    continue
+                # one object per destination (not per buffer): a put, a ref and a fetch per peer
+                tags, bufs = tuple(tag for tag, _ in items), [_as_buffer(buf) for _, buf in items]
+                if dest == self.rank:
+                    to_self.append(bufs)
+                    routed[dest] = [(tags, None)]
+                else:
+                    ref = ray.put(bufs)
+                    self._held.append(ref)
+                    routed[dest] = [(tags, ref)]
             payload: Any = routed
         except Exception as exc:  # e.g. object store full: fail every rank together, not by timeout
             payload = RankFailure.from_exception(self.rank, exc)
@@ -147,13 +149,21 @@ class RayTransport(Transport):
         return self._fetch(step, inbox, to_self)
 
     def _fetch(self, step, inbox, to_self):
+        """The (tag, buffer) pairs of ``inbox``, whose entries are (source, tags, ref of their buffers)."""
         remote = [(src, ref) for src, _, ref in inbox if src != self.rank]
         try:
             fetched = ray.get([ref for _, ref in remote], timeout=self._timeout_s) if remote else []
         except (rex.GetTimeoutError, rex.RayError) as exc:
             raise self._fetch_error(step, remote, exc) from None
         fetched_it, self_it = iter(fetched), iter(to_self)
-        return [(tag, next(self_it) if src == self.rank else next(fetched_it)) for src, tag, _ in inbox]
+        out = []
+        for src, tags, _ in inbox:
+            bufs = next(self_it) if src == self.rank else next(fetched_it)
+            if len(bufs) != len(tags):
+                raise CheckpointError(f"{step}: rank {self.rank} got {len(bufs)} buffers from rank {src} for "
+                                      f"{len(tags)} tags")
+            out.extend(zip(tags, bufs))
+        return out
 
     def _fetch_error(self, step, remote, exc) -> CheckpointError:
         # Find which senders' buffers are unavailable, to name them.

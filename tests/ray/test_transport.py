@@ -115,21 +115,22 @@ def test_exchange_routes_bit_exact_including_to_self(ray_session, pool):
 
 
 def test_get_returns_shared_memory_without_copy(ray_session):
-    """What exchange relies on: ray.get of an Arrow buffer maps the stored object, no copy."""
+    """What exchange relies on: ray.get of a list of Arrow buffers (one object per destination) maps
+    the stored object, no copy."""
     from raydcp.runtime.ray_transport import _as_buffer
 
     data = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)
-    ref = ray_session.put(_as_buffer(data))
+    ref = ray_session.put([_as_buffer(data), _as_buffer(data[:100])])
 
     @ray_session.remote(num_cpus=0)
     def fetch_twice(refs):
-        a, b = ray_session.get(refs[0]), ray_session.get(refs[0])
-        return type(a).__name__, a.address == b.address, a.is_mutable, shm_mapping(a.address), bytes(a)
+        (a, a2), (b, _) = ray_session.get(refs[0]), ray_session.get(refs[0])
+        return type(a).__name__, a.address == b.address, a.is_mutable, shm_mapping(a.address), bytes(a), bytes(a2)
 
-    kind, same, mutable, mapping, content = ray_session.get(fetch_twice.remote([ref]))
+    kind, same, mutable, mapping, content, second = ray_session.get(fetch_twice.remote([ref]))
     assert kind == "Buffer" and same and not mutable
     assert not ON_LINUX or mapping and ("plasma" in mapping or "/dev/shm" in mapping), mapping
-    assert content == bytes(data.numpy())
+    assert content == bytes(data.numpy()) and second == bytes(data[:100].numpy())
 
 
 def test_rank_failure_raises_same_error_on_every_rank(ray_session, pool):
