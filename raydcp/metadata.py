@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -539,7 +540,7 @@ def _decode_payload(payload: memoryview) -> Metadata:
         raise CheckpointError("header is not a raydcp header")
     if int(header.get("block_bytes", BLOCK_BYTES)) != BLOCK_BYTES:
         raise CheckpointError(f"checksum block size {header.get('block_bytes')} is not {BLOCK_BYTES}")
-    specs = [(str(name), str(dtype), tuple(int(s) for s in shape)) for name, dtype, shape in header["tensors"]]
+    specs = [(str(name), str(dtype), tuple(map(int, shape))) for name, dtype, shape in header["tensors"]]
     if len({s[0] for s in specs}) != len(specs):
         raise CheckpointError("a tensor is listed twice in the header")
     files = [str(f) for f in header["files"]]
@@ -595,12 +596,15 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
     sv, sb = _list(table, "sizes", np.int64)
     bv, bb = _list(table, "block_checksums", np.uint32)
 
-    ndim = np.array([len(s[2]) for s in specs], np.int64)
-    isz = np.array([itemsize(s[1]) for s in specs], np.int64)
-    numels = [_numel(s[2]) for s in specs]
-    if any(x >= 1 << 62 for x in numels):
-        return _decode_rows(table, specs, files)
-    shape_flat = np.array([d for s in specs for d in s[2]], np.int64)
+    names, dtypes, shapes = (list(c) for c in zip(*specs)) if specs else ([], [], [])
+    ndim = np.fromiter(map(len, shapes), np.int64, k)
+    sizes = {d: itemsize(d) for d in set(dtypes)}
+    isz = np.fromiter(map(sizes.__getitem__, dtypes), np.int64, k)
+    if max(map(max, filter(None, shapes)), default=0) >= 1 << 15 or (k and ndim.max() > 4):
+        # element counts might not fit in int64: check them exactly
+        if any(_numel(shape) >= 1 << 62 for shape in shapes):
+            return _decode_rows(table, specs, files)
+    shape_flat = np.fromiter(chain.from_iterable(shapes), np.int64, int(ndim.sum()))
     shape_start = np.zeros(k + 1, np.int64)
     np.cumsum(ndim, out=shape_start[1:])
 
@@ -646,7 +650,7 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         off2, size2 = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
         off2[row_of, dim_of], size2[row_of, dim_of] = ov, sv
     cols = ChunkColumns(rows, ndim, off2, size2, files, fcol, byte_off, nbytes, crcs, bv, bb)
-    return TensorMetas([s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs], cols)
+    return TensorMetas(names, dtypes, shapes, cols)
 
 
 def _decode_rows(table: pa.Table, specs: list, files: list[str]) -> dict[str, TensorMeta]:
