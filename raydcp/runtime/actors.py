@@ -61,7 +61,7 @@ class CoordinatorHost:
         self.creator_rank = creator_rank
         self.ops: dict[int, Coordinator] = {}
         self.failed: dict[int, tuple[str, float]] = {}
-        self._memo: tuple | None = None  # (last reply object, its Wire)
+        self._memo: tuple | None = None  # (operation, last reply object, its Wire), until the operation ends
 
     def _get(self, op: int, world_size: int, timeout_s: float) -> Coordinator:
         coord = self.ops.get(op)
@@ -92,20 +92,20 @@ class CoordinatorHost:
             local = RankFailure(rank, f"its value could not be decoded by the coordinator: {type(exc).__name__}: {exc}")
         creator, value = await self._get(op, world_size, timeout_s).reduce_scatter(
             rank, world_size, seq, step, local, reduce_fn)
-        return creator, self._encode(value)
+        return creator, self._encode(op, value)
 
-    def _encode(self, value):
+    def _encode(self, op: int, value):
         """A reply as a Wire, encoded once for all ranks that get the same object (the commit's metadata)."""
         if value is None or isinstance(value, BaseException):
             return value
         memo = self._memo
-        if memo is not None and memo[0] is value:
-            return memo[1]
+        if memo is not None and memo[1] is value:
+            return memo[2]
         try:
             wire = encode(value)
         except Exception:  # Ray's own pickling then
             return value
-        self._memo = (value, wire)
+        self._memo = (op, value, wire)
         return wire
 
     async def exchange(self, op, timeout_s, rank, world_size, seq, step, outgoing):
@@ -138,6 +138,8 @@ class CoordinatorHost:
     def drop(self, op: int, coord: Coordinator) -> None:
         if self.ops.get(op) is coord:
             del self.ops[op]
+        if self._memo is not None and self._memo[0] == op:
+            self._memo = None
 
     def remember_failure(self, op: int, err: CheckpointError, for_s: float) -> None:
         self.failed[op] = (str(err), time.monotonic() + for_s)

@@ -184,3 +184,36 @@ def test_status_snapshot():
         assert (await c.status())["open_rounds"] == []
 
     run(main())
+
+
+def test_host_decodes_wire_values_and_encodes_a_shared_reply_once():
+    from raydcp.runtime.actors import CoordinatorHost
+    from raydcp.transport import Wire, decode, encode
+
+    def shared(values):  # one object for every rank, as the commit step's metadata
+        out = list(values)
+        return [out] * len(values)
+
+    async def main():
+        host = CoordinatorHost("g", 0)
+        calls = [host.reduce_scatter(0, 5.0, r, 3, 1, "commit", encode({"rank": r}), shared) for r in range(3)]
+        replies = await asyncio.gather(*calls)
+        wires = [v for _, v in replies]
+        assert all(isinstance(w, Wire) for w in wires)
+        assert wires[0] is wires[1] is wires[2]  # one object for every rank: pickled once
+        assert decode(wires[0]) == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+        # plain values (a rank that could not encode) and per-rank replies
+        replies = await asyncio.gather(*(host.reduce_scatter(0, 5.0, r, 3, 2, "plan", r, add_rank_sum)
+                                         for r in range(3)))
+        assert [decode(v) for _, v in replies] == [3, 4, 5]
+        assert host._memo is not None
+        assert [await host.close(0, r) for r in range(3)] == [False, False, True]
+        assert host._memo is None and host.ops == {}  # the operation ended: its reply is not kept
+        # a value the host cannot decode fails every rank, naming the rank
+        bad = Wire(b"not a pickle")
+        replies = await asyncio.gather(*(host.reduce_scatter(1, 5.0, r, 2, 1, "plan", bad if r else encode(r),
+                                                             gather_all) for r in range(2)))
+        errs = [v for _, v in replies]
+        assert all(isinstance(e, CheckpointError) and "rank 1" in str(e) and "decoded" in str(e) for e in errs)
+
+    run(main())
