@@ -52,8 +52,12 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata (written by a newer raydcp?)") from None
 
 
+_ITEMSIZES = {name: dt.itemsize for name, dt in DTYPES.items()}
+
+
 def itemsize(name: str) -> int:
-    return dtype_from_name(name).itemsize
+    size = _ITEMSIZES.get(name)
+    return size if size is not None else dtype_from_name(name).itemsize
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
