@@ -5,8 +5,10 @@ Protocol (parent = the training process, helper = ``python -m raydcp.engine.pers
 1. The parent stages pieces into a shared-memory arena (:class:`StagingArena`)
    and sends a job: the write plan of some files, where each piece sits in the
    arena, and -- for the last job of a save -- the header to commit.
-2. The helper attaches to the arena by name, writes the files (fsync), and for
-   the last job writes the metadata last, atomically. It answers with the
+2. The helper (running at a lower CPU priority, :func:`lower_priority`, so
+   that its checksums and copies do not slow the training steps) attaches to the
+   arena by name, writes the files (fsync), and for the last job writes the
+   metadata last, atomically. It answers with the
    storage records (or the Metadata, or an error message).
 3. A watcher thread in the parent (blocked on the pipe, not on the GIL) resolves
    the job's future; if the helper dies, every pending future fails with a
@@ -27,7 +29,24 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-__all__ = ["HelperPersister"]
+__all__ = ["HelperPersister", "lower_priority", "PERSIST_NICE_ENV"]
+
+PERSIST_NICE_ENV = "RAYDCP_PERSIST_NICE"
+
+
+def lower_priority() -> int:
+    """Let this (persisting) process yield the CPU to training: raise its nice value by
+    ``RAYDCP_PERSIST_NICE`` (default 10; 0 leaves it). Returns the nice value now in effect."""
+    try:
+        step = int(os.environ.get(PERSIST_NICE_ENV, "10"))
+    except ValueError:
+        step = 10
+    if step <= 0 or not hasattr(os, "nice"):
+        return os.nice(0) if hasattr(os, "nice") else 0
+    try:
+        return os.nice(step)
+    except OSError:
+        return os.nice(0)
 
 
 class HelperPersister:

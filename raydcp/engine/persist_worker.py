@@ -10,6 +10,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..storage import CheckpointStorage
+from .persist import lower_priority
 from .save import StagedState, _reduce_commit, write_rank_files
 
 
@@ -53,4 +54,5 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
 
 
 if __name__ == "__main__":
+    lower_priority()
     _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

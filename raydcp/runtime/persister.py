@@ -23,6 +23,7 @@ background. The stall grows; the staging memory does not.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -34,6 +35,7 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..engine.background import SaveFuture, _batches, _failed
+from ..engine.persist import lower_priority
 from ..engine.save import (StagedState, _name_storage_error, _reduce_commit, _reduce_save_plan, local_save_plan,
                            save_with, write_rank_files)
 from ..engine.staging import StagingArena
@@ -70,7 +72,11 @@ class _Persister:
     """Runs one rank's save protocol from pieces staged in the object store."""
 
     def __init__(self) -> None:
+        lower_priority()  # persisting yields the CPU to the training processes
         self._batched: _BatchedSave | None = None
+
+    def nice(self) -> int:
+        return os.nice(0)
 
     def ready(self) -> bool:
         import raydcp.engine  # noqa: F401  (the save path's imports, ahead of the first persist)

@@ -77,3 +77,11 @@ def test_staging_cap_stages_in_pieces(tmp_path):
     assert all(torch.equal(got[k], sd[k]) for k in sd)
     with pytest.raises(CheckpointError, match="at least 1 KiB"):
         raydcp.async_save(sd, tmp_path / "cap2", max_staging_bytes=10).result()
+
+
+def test_the_persisting_process_runs_at_a_lower_cpu_priority(tmp_path):
+    from raydcp.engine import background as async_mod
+
+    raydcp.async_save({"w": torch.ones(8)}, tmp_path / "nice").result(timeout=60)
+    pid = async_mod._persister.pid
+    assert os.getpriority(os.PRIO_PROCESS, pid) >= os.getpriority(os.PRIO_PROCESS, 0) + 10
