@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from ..metadata import ChunkTable
+from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs, numel
 from .types import (ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, ReadTable, SourceChunk, StoredChunks,
                     TensorSpec)
@@ -137,10 +137,43 @@ class _ChunkIndex:
         return self.order[first:last]
 
 
-def stored_sources(md) -> dict[str, StoredChunks]:
-    """The source chunks of a checkpoint's metadata, as columns (no per-chunk objects)."""
+def stored_sources(md) -> Mapping[str, StoredChunks]:
+    """The source chunks of a checkpoint's metadata, as columns (no per-chunk objects). Decoded
+    metadata gives a mapping over its shared chunk columns: the planner takes them whole, and
+    the per-tensor StoredChunks are built only if a caller looks one up."""
+    if isinstance(getattr(md.tensors, "columns", None), ChunkColumns):
+        return _StoredSources(md.tensors)
     return {key: StoredChunks(key, t.dtype, ChunkTable.from_chunks(t.chunks, len(t.shape)))
             for key, t in md.tensors.items()}
+
+
+class _StoredSources(Mapping):
+    """key -> :class:`StoredChunks` over a :class:`raydcp.metadata.TensorMetas`, built on the
+    first lookup; iteration and ``len`` work on the names."""
+
+    __slots__ = ("tensors", "_dict")
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self._dict = None
+
+    def _all(self) -> dict[str, StoredChunks]:
+        if self._dict is None:
+            self._dict = {key: StoredChunks(key, t.dtype, ChunkTable.from_chunks(t.chunks, len(t.shape)))
+                          for key, t in self.tensors.items()}
+        return self._dict
+
+    def __getitem__(self, key: str) -> StoredChunks:
+        return self._all()[key]
+
+    def __iter__(self):
+        return iter(self.tensors.names)
+
+    def __len__(self) -> int:
+        return len(self.tensors.names)
+
+    def __contains__(self, key) -> bool:
+        return key in self.tensors
 
 
 def plan_load(
@@ -173,32 +206,39 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     kid = {key: i for i, key in enumerate(keys)}
 
     # ---- the source chunks, every key's in one set of arrays
-    counts = np.array([len(sources[key]) for key in keys], np.int64)
+    tables: list | None = None  # per key: a ChunkTable (stored) or a list of SourceChunk
+    stored = True
+    if isinstance(sources, _StoredSources):  # decoded metadata: its columns, as they are
+        shared = sources.tensors.columns
+        counts = np.diff(shared.rows)
+        nd_key = np.array(shared.ndim, np.int64)
+        dtypes = list(sources.tensors.dtypes)
+    else:
+        counts = np.array([len(sources[key]) for key in keys], np.int64)
+        nd_key = np.full(nkeys, -1, np.int64)
+        dtypes = []
+        tables = []
+        for i, key in enumerate(keys):
+            src = sources[key]
+            if isinstance(src, StoredChunks):
+                tables.append(src.table)
+                dtypes.append(src.dtype)
+                nd_key[i] = src.table.offsets.shape[1]
+            else:
+                objs = list(src)
+                stored = False
+                tables.append(objs)
+                dtypes.append(objs[0].dtype if objs else "")
+                nds = {len(c.offsets) for c in objs} | {len(c.sizes) for c in objs}
+                if len(nds) > 1:
+                    return None
+                if objs:
+                    nd_key[i] = nds.pop()
+        shared = _shared_columns(tables, nd_key) if stored and nkeys else None
     nchunks = int(counts.sum())
     cstart = np.zeros(nkeys + 1, np.int64)
     np.cumsum(counts, out=cstart[1:])
-    nd_key = np.full(nkeys, -1, np.int64)
-    dtypes: list[str] = []
-    tables: list = []     # per key: a ChunkTable (stored) or a list of SourceChunk
-    stored = True
-    for i, key in enumerate(keys):
-        src = sources[key]
-        if isinstance(src, StoredChunks):
-            tables.append(src.table)
-            dtypes.append(src.dtype)
-            nd_key[i] = src.table.offsets.shape[1]
-        else:
-            objs = list(src)
-            stored = False
-            tables.append(objs)
-            dtypes.append(objs[0].dtype if objs else "")
-            nds = {len(c.offsets) for c in objs} | {len(c.sizes) for c in objs}
-            if len(nds) > 1:
-                return None
-            if objs:
-                nd_key[i] = nds.pop()
-    width = max([1, *nd_key.tolist(), *(c.offsets.shape[1] for c in lcols)])
-    shared = _shared_columns(tables, nd_key) if stored and nkeys else None
+    width = max([1, int(nd_key.max()) if nkeys else 1, *(c.offsets.shape[1] for c in lcols)])
     if shared is not None:  # every key's chunks are rows of one ChunkColumns: take its arrays whole
         s_off, s_size, s_nbytes, ext, files, s_file, s_boff, s_crc, s_bstart, s_blen, block_arrays = \
             _columns_arrays(shared, counts, cstart, width)
