@@ -23,6 +23,7 @@ arrays that read as the tuples above on first use (:class:`FileTable` for ``Rank
 from __future__ import annotations
 
 import hashlib
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -174,34 +175,48 @@ class ItemColumns:
     def of(cls, tensors: Mapping[str, TensorSpec], items: Sequence, *, with_bytes: bool) -> "ItemColumns":
         c = cls()
         n = len(items)
-        index: dict[str, int] = {}
-        c.key = np.fromiter((index.setdefault(it.key, len(index)) for it in items), np.int64, n)
+        names = list(map(_KEY, items))
+        index = {k: i for i, k in enumerate(dict.fromkeys(names))}
+        c.key = np.arange(n, dtype=np.int64) if len(index) == n else \
+            np.fromiter(map(index.__getitem__, names), np.int64, n)
         c.keys = tuple(index)
         c.keys_digest = _digest(c.keys)
-        c.ndim = np.fromiter((len(it.offsets) for it in items), np.int64, n)
+        offs, sizes = list(map(_OFFSETS, items)), list(map(_SIZES, items))
+        c.ndim = np.fromiter(map(len, offs), np.int64, n)
         width = max(1, int(c.ndim.max()) if n else 1)
-        c.offsets = np.zeros((n, width), np.int64)
-        c.sizes = np.ones((n, width), np.int64)
         try:
-            if n and (c.ndim == width).all() and all(len(it.sizes) == width for it in items):
-                c.offsets[:] = [it.offsets for it in items]
-                c.sizes[:] = [it.sizes for it in items]
+            if n and (c.ndim == width).all() and (np.fromiter(map(len, sizes), np.int64, n) == width).all():
+                c.offsets = np.array(offs, np.int64).reshape(n, width)
+                c.sizes = np.array(sizes, np.int64).reshape(n, width)
             else:
-                for i, it in enumerate(items):
-                    if len(it.sizes) != len(it.offsets):
+                c.offsets = np.zeros((n, width), np.int64)
+                c.sizes = np.ones((n, width), np.int64)
+                for i, (o, z) in enumerate(zip(offs, sizes)):
+                    if len(z) != len(o):
                         raise ValueError("offsets and sizes differ in length")
-                    c.offsets[i, :len(it.offsets)] = it.offsets
-                    c.sizes[i, :len(it.sizes)] = it.sizes
+                    c.offsets[i, :len(o)] = o
+                    c.sizes[i, :len(z)] = z
         except (ValueError, TypeError, OverflowError):
+            c.offsets = np.zeros((n, width), np.int64)
+            c.sizes = np.ones((n, width), np.int64)
             c.ndim = np.full(n, -1, np.int64)  # not representable: the planners take the general path
         if with_bytes:
-            c.nbytes = np.fromiter((it.nbytes for it in items), np.int64, n)
-            c.checksum = np.fromiter((-1 if it.checksum is None else it.checksum for it in items), np.int64, n)
+            c.nbytes = np.fromiter(map(_NBYTES, items), np.int64, n)
+            c.checksum = np.fromiter((-1 if x is None else x for x in map(_CHECKSUM, items)), np.int64, n)
         else:
             c.nbytes = c.checksum = None
-        c.signature = _digest(sorted((str(k), str(s.dtype), tuple(int(x) for x in s.shape))
-                                     for k, s in tensors.items()))
+        try:
+            names = sorted(tensors)
+        except TypeError:
+            names = sorted(tensors, key=str)
+        specs = list(map(tensors.__getitem__, names))
+        c.signature = _digest((list(map(str, names)), [str(s.dtype) for s in specs],
+                               [tuple(map(int, s.shape)) for s in specs]))
         return c
+
+
+_KEY, _OFFSETS, _SIZES = attrgetter("key"), attrgetter("offsets"), attrgetter("sizes")
+_NBYTES, _CHECKSUM = attrgetter("nbytes"), attrgetter("checksum")
 
 
 def _digest(obj) -> bytes:
