@@ -36,11 +36,13 @@ PERSIST_NICE_ENV = "RAYDCP_PERSIST_NICE"
 
 def lower_priority() -> int:
     """Let this (persisting) process yield the CPU to training: raise its nice value by
-    ``RAYDCP_PERSIST_NICE`` (default 10; 0 leaves it). Returns the nice value now in effect."""
+    ``RAYDCP_PERSIST_NICE`` (default 19, the lowest priority: the persist then runs on CPU time
+    training leaves idle, as on GPU nodes, and slows down rather than slowing a CPU-bound trainer;
+    0 leaves it). Returns the nice value now in effect."""
     try:
-        step = int(os.environ.get(PERSIST_NICE_ENV, "10"))
+        step = int(os.environ.get(PERSIST_NICE_ENV, "19"))
     except ValueError:
-        step = 10
+        step = 19
     if step <= 0 or not hasattr(os, "nice"):
         return os.nice(0) if hasattr(os, "nice") else 0
     try:
