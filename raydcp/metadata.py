@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from .codec import checksum, decode_value, encode_value, itemsize
 from .errors import CheckpointError
+from .lazy import LazyMapping
 
 __all__ = ["FORMAT_VERSION", "BLOCK_BYTES", "ChunkMeta", "ChunkTable", "ChunkColumns", "TensorMeta", "TensorMetas",
            "Metadata", "encode_metadata", "decode_metadata"]
@@ -258,7 +259,7 @@ class ChunkColumns:
                    cat([ct.checksum for _, ct in used], np.int64), cat(block_parts, np.uint32), bounds)
 
 
-class TensorMetas(Mapping):
+class TensorMetas(LazyMapping):
     """A read-only mapping name -> :class:`TensorMeta` over one :class:`ChunkColumns`.
 
     The per-tensor objects are built on the first lookup, all at once; iteration over the names,
@@ -266,7 +267,7 @@ class TensorMetas(Mapping):
     work on the columns without building them.
     """
 
-    __slots__ = ("names", "dtypes", "shapes", "columns", "_dict")
+    __slots__ = ("names", "dtypes", "shapes", "columns")
 
     def __init__(self, names: list[str], dtypes: list[str], shapes: list[tuple[int, ...]], columns: ChunkColumns):
         if not len(names) == len(dtypes) == len(shapes) == len(columns):
@@ -274,36 +275,17 @@ class TensorMetas(Mapping):
         self.names, self.dtypes, self.shapes, self.columns = names, dtypes, shapes, columns
         self._dict: dict[str, TensorMeta] | None = None
 
-    def _all(self) -> dict[str, TensorMeta]:
-        if self._dict is None:
-            self._dict = dict(zip(self.names, map(TensorMeta, self.dtypes, self.shapes, self.columns.tables())))
-            if len(self._dict) != len(self.names):
-                raise ValueError("duplicate tensor names")
-        return self._dict
-
-    def __getitem__(self, key: str) -> TensorMeta:
-        return self._all()[key]
+    def _build(self) -> dict[str, TensorMeta]:
+        out = dict(zip(self.names, map(TensorMeta, self.dtypes, self.shapes, self.columns.tables())))
+        if len(out) != len(self.names):
+            raise ValueError("duplicate tensor names")
+        return out
 
     def __iter__(self):
         return iter(self.names)
 
     def __len__(self) -> int:
         return len(self.names)
-
-    def __contains__(self, key) -> bool:
-        return key in self._all()
-
-    def keys(self):
-        return self._all().keys()
-
-    def values(self):
-        return self._all().values()
-
-    def items(self):
-        return self._all().items()
-
-    def get(self, key, default=None):
-        return self._all().get(key, default)
 
     def __repr__(self) -> str:
         return f"TensorMetas({len(self)} tensors, {len(self.columns.nbytes)} chunks)"

@@ -41,11 +41,12 @@ import io
 import pickle
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .errors import CheckpointError, RankFailure, raise_failures
+from .lazy import LazyMapping, LazySequence
 from .planner.types import (Delivery, FileSlot, LocalLoadPlan, LocalSavePlan, ReadItem, SourceChunk, TensorSpec,
                             WriteItem)
 
@@ -200,93 +201,43 @@ class Wire:
         return (Wire, (self.data,))
 
 
-class _Specs(Mapping):
+class _Specs(LazyMapping):
     """A plan's ``tensors`` (key -> TensorSpec) from three lists, the dict built on first lookup."""
 
-    __slots__ = ("names", "dtypes", "shapes", "_dict")
+    __slots__ = ("names", "dtypes", "shapes")
 
     def __init__(self, names: list, dtypes: list, shapes: list):
         self.names, self.dtypes, self.shapes = names, dtypes, shapes
         self._dict: dict | None = None
 
-    def _all(self) -> dict:
-        if self._dict is None:
-            self._dict = dict(zip(self.names, map(TensorSpec, self.dtypes, self.shapes)))
-        return self._dict
-
-    def __getitem__(self, key):
-        return self._all()[key]
-
-    def __iter__(self) -> Iterator:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-    def __contains__(self, key) -> bool:
-        return key in self._all()
-
-    def keys(self):
-        return self._all().keys()
-
-    def values(self):
-        return self._all().values()
-
-    def items(self):
-        return self._all().items()
-
-    def get(self, key, default=None):
-        return self._all().get(key, default)
-
-    def __repr__(self) -> str:
-        return repr(self._all())
+    def _build(self) -> dict:
+        return dict(zip(self.names, map(TensorSpec, self.dtypes, self.shapes)))
 
     def __reduce__(self):
         return (_Specs, (self.names, self.dtypes, self.shapes))
 
 
-class _PlanItems(Sequence):
+class _PlanItems(LazySequence):
     """A plan's ``items`` (WriteItem or ReadItem) from its ItemColumns, built on first use."""
 
-    __slots__ = ("columns", "save", "_objs")
+    __slots__ = ("columns", "save")
 
     def __init__(self, columns, save: bool):
         self.columns, self.save = columns, save
         self._objs: tuple | None = None
 
-    def _all(self) -> tuple:
-        if self._objs is None:
-            c = self.columns
-            keys, kid, nds = c.keys, c.key.tolist(), c.ndim.tolist()
-            off, size = c.offsets.tolist(), c.sizes.tolist()
-            if self.save:
-                nb, crc = c.nbytes.tolist(), c.checksum.tolist()
-                self._objs = tuple(WriteItem(keys[k], tuple(o[:n]), tuple(s[:n]), b, None if x < 0 else x)
-                                   for k, n, o, s, b, x in zip(kid, nds, off, size, nb, crc))
-            else:
-                self._objs = tuple(ReadItem(keys[k], tuple(o[:n]), tuple(s[:n]))
-                                   for k, n, o, s in zip(kid, nds, off, size))
-        return self._objs
+    def _build(self) -> tuple:
+        c = self.columns
+        keys, kid, nds = c.keys, c.key.tolist(), c.ndim.tolist()
+        off, size = c.offsets.tolist(), c.sizes.tolist()
+        if self.save:
+            nb, crc = c.nbytes.tolist(), c.checksum.tolist()
+            return tuple(WriteItem(keys[k], tuple(o[:n]), tuple(s[:n]), b, None if x < 0 else x)
+                         for k, n, o, s, b, x in zip(kid, nds, off, size, nb, crc))
+        return tuple(ReadItem(keys[k], tuple(o[:n]), tuple(s[:n])) for k, n, o, s in zip(kid, nds, off, size))
 
     def __len__(self) -> int:
         return len(self.columns.key)
-
-    def __getitem__(self, i):
-        return self._all()[i]
-
-    def __iter__(self):
-        return iter(self._all())
-
-    def __eq__(self, other):
-        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return self._all() == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._all())
-
-    def __repr__(self) -> str:
-        return repr(self._all())
 
     def __reduce__(self):
         return (tuple, (self._all(),))

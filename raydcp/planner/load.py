@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs, numel
+from .save import _rows_all, _rows_prod, _rows_sum
 from .types import (ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, ReadTable, SourceChunk, StoredChunks,
                     TensorSpec)
 
@@ -702,27 +703,6 @@ def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
 def _pick(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """``a[rows, cols]`` of a C-contiguous 2-D array, through its flat view."""
     return np.take(a.reshape(-1), rows * a.shape[1] + cols)
-
-
-def _rows_all(m: np.ndarray) -> np.ndarray:
-    out = m[:, 0].copy()
-    for j in range(1, m.shape[1]):
-        out &= m[:, j]
-    return out
-
-
-def _rows_prod(m: np.ndarray) -> np.ndarray:
-    out = m[:, 0].copy()
-    for j in range(1, m.shape[1]):
-        out *= m[:, j]
-    return out
-
-
-def _rows_sum(m: np.ndarray) -> np.ndarray:
-    out = m[:, 0].astype(np.int64)
-    for j in range(1, m.shape[1]):
-        out += m[:, j]
-    return out
 
 
 def _plan_load_objects(

@@ -29,6 +29,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..lazy import LazySequence as _Lazy
+
 __all__ = [
     "TensorSpec", "WriteItem", "LocalSavePlan", "FileSlot", "RankWritePlan", "GlobalSavePlan",
     "ReadItem", "LocalLoadPlan", "SourceChunk", "Delivery", "ChunkRead", "RankLoadPlan",
@@ -221,37 +223,6 @@ _NBYTES, _CHECKSUM = attrgetter("nbytes"), attrgetter("checksum")
 
 def _digest(obj) -> bytes:
     return hashlib.blake2b(repr(obj).encode(), digest_size=16).digest()
-
-
-class _Lazy(Sequence):
-    """A read-only sequence built from arrays, materialised into a tuple on first use."""
-
-    __slots__ = ("_objs",)
-
-    def _build(self) -> tuple:
-        raise NotImplementedError
-
-    def _all(self) -> tuple:
-        if self._objs is None:
-            self._objs = self._build()
-        return self._objs
-
-    def __getitem__(self, i):
-        return self._all()[i]
-
-    def __iter__(self):
-        return iter(self._all())
-
-    def __eq__(self, other):
-        if isinstance(other, (Sequence)) and not isinstance(other, (str, bytes)):
-            return self._all() == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._all())
-
-    def __repr__(self) -> str:
-        return repr(self._all())
 
 
 class FileTable(_Lazy):
