@@ -183,7 +183,7 @@ def main() -> None:
     from ray.train.torch import TorchTrainer
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="raydcp-train-stall-"))
-    ray.init(num_cpus=max(args.workers) * 2, log_to_driver=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=max(args.workers) * 2, log_to_driver=False, logging_level="ERROR",
              include_dashboard=False)
     results: list[dict] = []
     try:

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = {k: tuple(v.shape) for k, v in full.items()}
     console.print(f"[bold]raydcp demo[/]: {len(full)} tensors, checkpoint at {path}")
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         t0 = time.perf_counter()
         savers = [Trainer.remote(r, 2, "demo-save") for r in range(2)]
