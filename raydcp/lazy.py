@@ -6,6 +6,7 @@ asked, and otherwise cost nothing.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Iterator, Mapping, Sequence
 
 __all__ = ["LazyMapping", "LazySequence"]
@@ -16,8 +17,9 @@ class LazyMapping(Mapping):
 
     __slots__ = ("_dict",)
 
+    @abstractmethod
     def _build(self) -> dict:
-        raise NotImplementedError
+        """The mapping's contents, built once."""
 
     def _all(self) -> dict:
         if self._dict is None:
@@ -57,8 +59,9 @@ class LazySequence(Sequence):
 
     __slots__ = ("_objs",)
 
+    @abstractmethod
     def _build(self) -> tuple:
-        raise NotImplementedError
+        """The sequence's contents, built once."""
 
     def _all(self) -> tuple:
         if self._objs is None:
