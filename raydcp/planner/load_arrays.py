@@ -1,0 +1,600 @@
+"""The array path of :func:`raydcp.planner.plan_load`: every chunk and request as columns.
+
+The chunks a request overlaps are found by a binary search where a tensor's chunks are split
+along one dimension, box by box otherwise; readers are assigned on arrays, and a rank's reads
+come out as a :class:`ReadTable`. Also the rule, shared with the object path, for splitting a
+stored chunk between the ranks that need it (joint reads).
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..metadata import ChunkColumns, ChunkTable
+from .boxes import byte_runs, intersect, merge_runs
+from .save import _rows_all, _rows_prod, _rows_sum
+from .types import RankLoadPlan, ReadTable, SourceChunk, StoredChunks
+
+# stored chunks from this size on are read part by part by the ranks that need the parts
+SPLIT_MIN_BYTES = 1 << 20
+MAX_JOINT_RUNS = 16  # byte runs one rank may read of a split chunk
+
+
+def _splits(rank_runs: Mapping[int, list], nbytes: int) -> bool:
+    """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks and
+    together cover the whole chunk (so every checksum block is verified by its readers)."""
+    merged = [merge_runs(runs) for runs in rank_runs.values()]
+    if any(len(runs) > MAX_JOINT_RUNS for runs in merged):
+        return False  # interleaved parts (a column split): one reader, fewer and larger reads
+    return sum(e - s for runs in merged for s, e in runs) == nbytes and \
+        merge_runs([r for runs in merged for r in runs]) == [(0, nbytes)]
+
+
+def _names(keys: list[str], limit: int = 20) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+class _ChunkIndex:
+    """The chunks of one tensor sorted along the dimension they are split most along, so the
+    chunks a box may overlap are found by bisection instead of a scan of every chunk."""
+
+    def __init__(self, chunks: Sequence[SourceChunk]):
+        self.chunks = chunks
+        nd = len(chunks[0].offsets) if chunks else 0
+        self.dim = max(range(nd), key=lambda d: len({c.offsets[d] for c in chunks})) if nd else -1
+        if self.dim < 0:
+            self.order, self.starts, self.span = list(range(len(chunks))), [], 0
+            return
+        d = self.dim
+        self.order = sorted(range(len(chunks)), key=lambda i: chunks[i].offsets[d])
+        self.starts = [chunks[i].offsets[d] for i in self.order]
+        self.span = max((c.sizes[d] for c in chunks), default=0)
+
+    def candidates(self, offsets, sizes):
+        if self.dim < 0:
+            return self.order
+        lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
+        first = bisect.bisect_left(self.starts, lo - self.span + 1)
+        last = bisect.bisect_left(self.starts, hi)
+        return self.order[first:last]
+
+
+class _StoredSources(Mapping):
+    """key -> :class:`StoredChunks` over a :class:`raydcp.metadata.TensorMetas`, built on the
+    first lookup; iteration and ``len`` work on the names."""
+
+    __slots__ = ("tensors", "_dict")
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self._dict = None
+
+    def _all(self) -> dict[str, StoredChunks]:
+        if self._dict is None:
+            self._dict = {key: StoredChunks(key, t.dtype, ChunkTable.from_chunks(t.chunks, len(t.shape)))
+                          for key, t in self.tensors.items()}
+        return self._dict
+
+    def __getitem__(self, key: str) -> StoredChunks:
+        return self._all()[key]
+
+    def __iter__(self):
+        return iter(self.tensors.names)
+
+    def __len__(self) -> int:
+        return len(self.tensors.names)
+
+    def __contains__(self, key) -> bool:
+        return key in self.tensors
+
+
+def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoadPlan] | None:
+    world = len(local_plans)
+    lcols = [getattr(lp, "columns", None) for lp in local_plans]
+    if any(c is None for c in lcols):
+        return None
+    keys = list(sources)
+    nkeys = len(keys)
+    kid = {key: i for i, key in enumerate(keys)}
+
+    # ---- the source chunks, every key's in one set of arrays
+    tables: list | None = None  # per key: a ChunkTable (stored) or a list of SourceChunk
+    stored = True
+    if isinstance(sources, _StoredSources):  # decoded metadata: its columns, as they are
+        shared = sources.tensors.columns
+        counts = np.diff(shared.rows)
+        nd_key = np.array(shared.ndim, np.int64)
+        dtypes = list(sources.tensors.dtypes)
+    else:
+        counts = np.array([len(sources[key]) for key in keys], np.int64)
+        nd_key = np.full(nkeys, -1, np.int64)
+        dtypes = []
+        tables = []
+        for i, key in enumerate(keys):
+            src = sources[key]
+            if isinstance(src, StoredChunks):
+                tables.append(src.table)
+                dtypes.append(src.dtype)
+                nd_key[i] = src.table.offsets.shape[1]
+            else:
+                objs = list(src)
+                stored = False
+                tables.append(objs)
+                dtypes.append(objs[0].dtype if objs else "")
+                nds = {len(c.offsets) for c in objs} | {len(c.sizes) for c in objs}
+                if len(nds) > 1:
+                    return None
+                if objs:
+                    nd_key[i] = nds.pop()
+        shared = _shared_columns(tables, nd_key) if stored and nkeys else None
+    nchunks = int(counts.sum())
+    cstart = np.zeros(nkeys + 1, np.int64)
+    np.cumsum(counts, out=cstart[1:])
+    width = max([1, int(nd_key.max()) if nkeys else 1, *(c.offsets.shape[1] for c in lcols)])
+    if shared is not None:  # every key's chunks are rows of one ChunkColumns: take its arrays whole
+        s_off, s_size, s_nbytes, ext, files, s_file, s_boff, s_crc, s_bstart, s_blen, block_arrays = \
+            _columns_arrays(shared, counts, cstart, width)
+    else:
+        s_off, s_size, s_nbytes, ext, files, s_file, s_boff, s_crc, s_bstart, s_blen, block_arrays = \
+            _table_arrays(tables, stored, counts, cstart, nd_key, width)
+        if s_off is None:
+            return None
+    s_key = np.repeat(np.arange(nkeys), counts)
+    isz = np.array([itemsizes[key] for key in keys], np.int64)
+
+    # ---- the requests of every rank
+    maps: dict[bytes, np.ndarray] = {}
+    qcount = np.array([len(c.key) for c in lcols], np.int64)
+    nq = int(qcount.sum())
+    qstart = np.zeros(world + 1, np.int64)
+    np.cumsum(qcount, out=qstart[1:])
+    q_key = np.empty(nq, np.int64)
+    q_off = np.zeros((nq, width), np.int64)
+    q_size = np.ones((nq, width), np.int64)
+    for r, c in enumerate(lcols):
+        m = maps.get(c.keys_digest)
+        if m is None:
+            m = maps[c.keys_digest] = np.array([kid.get(key, -1) for key in c.keys] or [0], np.int64)
+        a, b = qstart[r], qstart[r + 1]
+        q_key[a:b] = m[c.key]
+        w = c.offsets.shape[1]
+        q_off[a:b, :w] = c.offsets
+        q_size[a:b, :w] = c.sizes
+    q_nd = np.concatenate([c.ndim for c in lcols]) if nq else np.zeros(0, np.int64)
+    q_rank = np.repeat(np.arange(world), qcount)
+    q_item = np.arange(nq) - qstart[:-1][q_rank]
+    known = q_key >= 0
+    kk = q_key[known]
+    if ((q_nd[known] != nd_key[kk]) & (nd_key[kk] >= 0)).any() or (q_nd < 0).any() or (q_size < 0).any():
+        return None
+    q_numel = _rows_prod(q_size)
+
+    # ---- which chunks each request overlaps
+    c_live = _rows_all(s_size > 0)
+    full = (s_off == 0) & (s_size == _take(ext, s_key))
+    nfull = _rows_sum(full)
+    piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, np.argmin(full, axis=1), -1))
+    piece_dim[~c_live] = width
+    dmin = np.full(nkeys, width, np.int64)
+    dmax = np.full(nkeys, -1, np.int64)
+    split = piece_dim < width
+    np.minimum.at(dmin, s_key[split], piece_dim[split])
+    np.maximum.at(dmax, s_key[split], piece_dim[split])
+    general = (dmin < 0) | ((dmax >= 0) & (dmax != dmin))
+    key_dim = np.where(dmin >= width, 0, np.maximum(dmin, 0))
+    span = ext[np.arange(nkeys), key_dim]
+    base = np.zeros(nkeys, np.int64)
+    np.cumsum(span[:-1] + 1, out=base[1:])
+    # chunks of one-dimensional keys on one line, key after key; they must not overlap
+    on_line = np.flatnonzero(c_live & ~general[s_key])
+    d_of = key_dim[s_key[on_line]]
+    line_start = base[s_key[on_line]] + _pick(s_off, on_line, d_of)
+    if len(line_start) and (line_start[1:] < line_start[:-1]).any():  # stored chunks usually come sorted
+        order = np.argsort(line_start, kind="stable")
+        on_line, line_start = on_line[order], line_start[order]
+    line_end = line_start + _pick(s_size, on_line, key_dim[s_key[on_line]])
+    clash = np.flatnonzero(line_end[:-1] > line_start[1:])
+    if len(clash):
+        general[s_key[on_line[clash]]] = True
+        keep = ~general[s_key[on_line]]
+        on_line, line_start, line_end = on_line[keep], line_start[keep], line_end[keep]
+
+    q_live = known & _rows_all(q_size > 0)
+    q_general = np.zeros(nq, bool)
+    q_general[known] = general[kk]
+    q1 = np.flatnonzero(q_live & ~q_general)
+    k1 = q_key[q1]
+    d1 = key_dim[k1]
+    q1_off, q1_size = _pick(q_off, q1, d1), _pick(q_size, q1, d1)
+    lo = np.clip(q1_off, 0, span[k1]) + base[k1]
+    hi = np.clip(q1_off + q1_size, 0, span[k1]) + base[k1]
+    first = np.searchsorted(line_end, lo, side="right")
+    last = np.searchsorted(line_start, hi, side="left")
+    n_c = np.maximum(last - first, 0)
+    p_q = np.repeat(q1, n_c)
+    within = np.arange(len(p_q)) - np.repeat(np.cumsum(n_c) - n_c, n_c)
+    p_c = on_line[np.repeat(first, n_c) + within]
+    gen_q = np.flatnonzero(q_live & q_general)
+    if len(gen_q):
+        gq, gc = _general_pairs(gen_q, q_key, q_off, q_size, s_off, s_size, cstart, c_live)
+        p_q, p_c = np.concatenate([p_q, gq]), np.concatenate([p_c, gc])
+
+    # ---- the part of the chunk each request needs. Where every request of a one-dimensional key
+    # lies inside its tensor in the other dimensions, the part differs from the request only along
+    # the split dimension: keep that (1-D arrays) and build the boxes once, in the output order.
+    other_ok = np.ones(len(q1), bool)
+    other_full = np.ones(len(q1), bool)
+    for e in range(width):
+        qe_lo, qe_n, ext_e = q_off[:, e][q1], q_size[:, e][q1], ext[:, e][k1]
+        other_ok &= (d1 == e) | ((qe_lo >= 0) & (qe_lo + qe_n <= ext_e))
+        other_full &= (d1 == e) | ((qe_lo == 0) & (qe_n == ext_e))
+    whole = False  # every part is its whole chunk: deliveries then need no boxes of their own
+    if not len(gen_q) and other_ok.all():
+        p_d = np.repeat(d1, n_c)
+        c_lo = _pick(s_off, p_c, p_d)
+        c_hi = c_lo + _pick(s_size, p_c, p_d)
+        q_lo = np.repeat(q1_off, n_c)
+        q_hi = q_lo + np.repeat(q1_size, n_c)
+        lo_d = np.maximum(q_lo, c_lo)
+        sz_d = np.minimum(q_hi, c_hi) - lo_d
+        whole = bool(other_full.all() and (q_lo <= c_lo).all() and (q_hi >= c_hi).all())
+        del c_lo, c_hi, q_lo, q_hi
+        p_numel = np.repeat(q_numel[q1] // q1_size, n_c) * sz_d
+
+        def boxes(sel):
+            rows = p_q if sel is None else p_q[sel]
+            lo, sz = _take(q_off, rows), _take(q_size, rows)
+            at = np.arange(len(rows)) * width + (p_d if sel is None else p_d[sel])
+            lo.reshape(-1)[at] = lo_d if sel is None else lo_d[sel]
+            sz.reshape(-1)[at] = sz_d if sel is None else sz_d[sel]
+            return lo, sz
+    else:
+        qo, co = _take(q_off, p_q), _take(s_off, p_c)
+        box_lo = np.maximum(qo, co)
+        box_sz = np.minimum(qo + _take(q_size, p_q), co + _take(s_size, p_c)) - box_lo
+        del qo, co
+        ok = _rows_all(box_sz > 0)
+        if not ok.all():
+            keep = np.flatnonzero(ok)
+            p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], _take(box_lo, keep), _take(box_sz, keep)
+        p_numel = _rows_prod(box_sz)
+
+        def boxes(sel):
+            return (box_lo, box_sz) if sel is None else (_take(box_lo, sel), _take(box_sz, sel))
+    covered = np.bincount(p_q, weights=p_numel, minlength=nq) if len(p_q) else np.zeros(nq)
+    gaps = known & (covered != q_numel)
+    if gaps.any():
+        names = sorted({keys[k] for k in q_key[gaps].tolist()})
+        raise CheckpointError(
+            f"the stored pieces of {_names(names)} do not cover the tensor exactly (a gap or an overlap); "
+            f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
+    p_rank = q_rank[p_q]
+    p_bytes = p_numel * isz[s_key[p_c]]
+
+    # ---- one reader per needed chunk. A chunk one request needs (the common case) is read by the
+    # rank that needs it; the others ("special": several deliveries, or a live chunk) below.
+    npairs = len(p_c)
+    ccount = np.bincount(p_c, minlength=nchunks) if npairs else np.zeros(nchunks, np.int64)
+    special = ccount[p_c] > 1
+    live_chunk = np.zeros(nchunks, bool)
+    holders_of: dict[int, tuple] = {}
+    if not stored:
+        for c in np.unique(p_c).tolist():
+            k = int(s_key[c])
+            t = tables[k]
+            if not isinstance(t, ChunkTable) and t[c - cstart[k]].holders is not None:
+                live_chunk[c] = True
+                holders_of[c] = t[c - cstart[k]].holders
+        special |= live_chunk[p_c]
+    single = np.flatnonzero(~special)
+    load = np.bincount(p_rank[single], weights=p_bytes[single], minlength=world).astype(np.int64)
+    incoming = np.zeros(world, np.int64)
+    sp = np.flatnonzero(special)
+    sp = sp[np.argsort(p_c[sp], kind="stable")]
+    sp_heads = np.flatnonzero(np.r_[True, p_c[sp][1:] != p_c[sp][:-1]]) if len(sp) else np.zeros(0, np.int64)
+    sp_chunk = p_c[sp][sp_heads]
+    sp_count = np.diff(np.append(sp_heads, len(sp)))
+    sp_joint = np.zeros(len(sp_heads), bool)
+    if len(sp_heads):
+        sp, sp_heads, sp_chunk, sp_count, sp_joint = _split_large_chunks(
+            sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes, s_off, s_size, s_key, nd_key, isz)
+    sp_reader = np.full(len(sp_heads), -1, np.int64)
+    sp_nread = np.zeros(len(sp_heads), np.int64)
+    if len(sp_heads):
+        lload = load.tolist()
+        todo = []
+        for j, c in enumerate(sp_chunk.tolist()):
+            k = int(s_key[c])
+            nd = max(int(nd_key[k]), 0)
+            grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()
+            co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
+            glo, gsz = boxes(np.array(grp, np.int64))
+            parts = {(tuple(o[:nd]), tuple(z[:nd])) for o, z in zip(glo.tolist(), gsz.tolist())}
+            if len(parts) == 1:
+                sp_nread[j] = int(p_bytes[grp[0]])
+            else:
+                runs = merge_runs([r for o, z in parts for r in byte_runs(co, cs, o, z, int(isz[k]))])
+                sp_nread[j] = sum(e - s for s, e in runs)
+            ranks = {int(p_rank[x]) for x in grp}
+            if len(ranks) == 1 and not live_chunk[c]:
+                sp_reader[j] = ranks.pop()
+                lload[int(sp_reader[j])] += int(sp_nread[j])
+            else:
+                todo.append(j)
+        # the rest largest first (ties: first needed first), each to the rank it costs least
+        todo.sort(key=lambda j: (-int(s_nbytes[sp_chunk[j]]), int(sp[sp_heads[j]])))
+        for j in todo:
+            c = int(sp_chunk[j])
+            grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()
+            if live_chunk[c]:
+                r = min(holders_of[c], key=lambda x: (lload[x], x))
+            else:
+                share: dict[int, int] = {}
+                for x in grp:
+                    share[int(p_rank[x])] = share.get(int(p_rank[x]), 0) + int(p_numel[x])
+                isz_k = int(isz[s_key[c]])
+                r = min(share, key=lambda x: (lload[x] - share[x] * isz_k, x))
+            sp_reader[j] = r
+            lload[r] += int(sp_nread[j])
+        load = np.array(lload, np.int64)
+        sp_pair_reader = np.repeat(sp_reader, sp_count)
+        np.add.at(incoming, p_rank[sp][p_rank[sp] != sp_pair_reader], 1)
+    bytes_read = load
+    needed = np.bincount(p_rank, weights=p_bytes, minlength=world).astype(np.int64) if npairs else \
+        np.zeros(world, np.int64)
+
+    # ---- each rank's reads: the chunks only it needs (in the order of its requests), then the
+    # special ones it reads (in chunk order); placed by counting, without sorting all the pairs
+    sr = p_rank[single]
+    in_order = not len(sp) and not (len(sr) and (sr[1:] < sr[:-1]).any())
+    if len(sr) and (sr[1:] < sr[:-1]).any():
+        single = single[np.argsort(sr, kind="stable")]
+        sr = p_rank[single]
+    n_single = np.bincount(sr, minlength=world) if len(sr) else np.zeros(world, np.int64)
+    sp_order = np.lexsort((sp_chunk, sp_reader)) if len(sp_heads) else np.zeros(0, np.int64)
+    n_special = np.bincount(sp_reader, minlength=world) if len(sp_heads) else np.zeros(world, np.int64)
+    rb = np.zeros(world + 1, np.int64)
+    np.cumsum(n_single + n_special, out=rb[1:])
+    nreads = int(rb[-1])
+    single_start = np.zeros(world + 1, np.int64)
+    np.cumsum(n_single, out=single_start[1:])
+    pos_single = None if in_order else rb[:-1][sr] + np.arange(len(single)) - single_start[:-1][sr]
+    dcount = np.ones(nreads, np.int64)
+    if in_order:
+        rchunk = p_c
+    else:
+        rchunk = np.empty(nreads, np.int64)
+        rchunk[pos_single] = p_c[single]
+    if len(sp_heads):
+        rdr = sp_reader[sp_order]
+        sp_start = np.zeros(world + 1, np.int64)
+        np.cumsum(n_special, out=sp_start[1:])
+        pos_sp = rb[:-1][rdr] + n_single[rdr] + np.arange(len(sp_order)) - sp_start[:-1][rdr]
+        rchunk[pos_sp] = sp_chunk[sp_order]
+        dcount[pos_sp] = sp_count[sp_order]
+        rjoint = np.zeros(nreads, bool)
+        rjoint[pos_sp] = sp_joint[sp_order]
+    pb = np.zeros(nreads + 1, np.int64)
+    np.cumsum(dcount, out=pb[1:])
+    pairs = None if in_order else np.empty(npairs, np.int64)  # None: the pairs as they are
+    if pairs is not None:
+        pairs[pb[:-1][pos_single]] = single
+    if len(sp_heads):
+        cnt = sp_count[sp_order]
+        first = np.repeat(pb[:-1][pos_sp] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+        src = np.repeat(sp_heads[sp_order] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+        pairs[first] = sp[src]
+
+    d_lo, d_sz = (None, None) if whole else boxes(pairs)
+    cols = {"key": s_key[rchunk], "offsets": _take(s_off, rchunk), "sizes": _take(s_size, rchunk),
+            "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
+            "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,
+            "joint": rjoint if len(sp_heads) and rjoint.any() else None}
+    if stored:
+        bl = s_blen[rchunk]
+        bounds = np.zeros(nreads + 1, np.int64)
+        np.cumsum(bl, out=bounds[1:])
+        total = int(bounds[-1])
+        values_all = np.zeros(0, np.uint32)
+        if total:
+            everything = np.concatenate(block_arrays).astype(np.uint32, copy=False)
+            values_all = everything[np.repeat(s_bstart[rchunk] - bounds[:-1], bl) + np.arange(total)]
+        cols.update({"file": s_file[rchunk], "byte_offset": s_boff[rchunk], "checksum": s_crc[rchunk],
+                     "block_values": values_all, "block_bounds": bounds})
+    else:
+        objs = [tables[k][c - cstart[k]] if not isinstance(tables[k], ChunkTable) else
+                StoredChunks(keys[k], dtypes[k], tables[k])[c - cstart[k]]
+                for c, k in zip(rchunk.tolist(), s_key[rchunk].tolist())]
+    plans = []
+    for r, lp in enumerate(local_plans):
+        a, b = int(rb[r]), int(rb[r + 1])
+        fields = {name: arr[a:b] for name, arr in cols.items()
+                  if not name.startswith(("d_", "block_")) and arr is not None}
+        fields.update({name: arr[pb[a]:pb[b]] for name, arr in cols.items()
+                       if name.startswith("d_") and arr is not None})
+        if stored:
+            bb = cols["block_bounds"][a:b + 1]
+            fields["block_values"] = cols["block_values"][bb[0]:bb[-1]]
+            fields["block_bounds"] = bb - bb[0]
+        else:
+            fields["sources"] = objs[a:b]
+        reads = ReadTable(keys=keys, dtypes=dtypes, ndims=nd_key, files=files,
+                          delivery_bounds=pb[a:b + 1] - pb[a], **fields)
+        plans.append(RankLoadPlan(rank=lp.rank, reads=reads, incoming=int(incoming[r]),
+                                  values={k: values[k] for k in lp.values if k in values},
+                                  bytes_read=int(bytes_read[r]), bytes_needed=int(needed[r])))
+    return plans
+
+
+def _shared_columns(tables, nd_key):
+    """The ChunkColumns that every table is one tensor's rows of, as columns of the keys' tensors in
+    key order (a gather where the keys are not its tensors in order), or None."""
+    origins = [getattr(t, "origin", None) for t in tables]
+    if any(o is None for o in origins):
+        return None
+    cols = origins[0][0]
+    if any(o[0] is not cols for o in origins):
+        return None
+    ids = np.fromiter((o[1] for o in origins), np.int64, len(origins))
+    if (cols.ndim[ids] != nd_key).any():
+        return None
+    cols = cols.take(ids)
+    if (np.diff(cols.rows) != np.fromiter(map(len, tables), np.int64, len(tables))).any():
+        return None
+    return cols
+
+
+def _columns_arrays(cols, counts, cstart, width):
+    """The chunk arrays of the load planner, taken from one ChunkColumns (rows in key order)."""
+    nchunks = int(cstart[-1])
+    w = cols.offsets.shape[1]
+    if w == width:
+        s_off, s_size = cols.offsets, cols.sizes
+    else:
+        s_off, s_size = np.zeros((nchunks, width), np.int64), np.ones((nchunks, width), np.int64)
+        s_off[:, :w], s_size[:, :w] = cols.offsets, cols.sizes
+    nkeys = len(counts)
+    ext = np.ones((nkeys, width), np.int64)  # per key, the box its chunks span
+    used = np.flatnonzero(counts > 0)
+    if len(used):
+        ext[used] = np.maximum.reduceat(s_off + s_size, cstart[used], axis=0)
+    files = list(cols.files) if nchunks else []
+    bb = cols.block_bounds
+    return (s_off, s_size, np.asarray(cols.nbytes, np.int64), ext, files, np.asarray(cols.file, np.int64),
+            np.asarray(cols.byte_offset, np.int64), np.asarray(cols.checksum, np.int64), bb[:-1],
+            np.diff(bb), [cols.block_values] if nchunks else [])
+
+
+def _table_arrays(tables, stored, counts, cstart, nd_key, width):
+    """The chunk arrays of the load planner, copied table by table (or object by object);
+    ``s_off`` None where the chunks cannot be represented."""
+    nkeys = len(counts)
+    nchunks = int(cstart[-1])
+    s_off = np.zeros((nchunks, width), np.int64)
+    s_size = np.ones((nchunks, width), np.int64)
+    s_nbytes = np.zeros(nchunks, np.int64)
+    ext = np.ones((nkeys, width), np.int64)  # per key, the box its chunks span
+    s_file = s_boff = s_crc = s_bstart = s_blen = None
+    if stored:  # where each stored chunk lies: file, byte offset, checksum, block checksums
+        s_file, s_boff, s_crc = np.zeros(nchunks, np.int64), np.zeros(nchunks, np.int64), np.zeros(nchunks, np.int64)
+        s_bstart, s_blen = np.zeros(nchunks, np.int64), np.zeros(nchunks, np.int64)
+        file_index: dict[str, int] = {}
+        remap: dict[int, tuple] = {}
+        block_arrays: dict[int, tuple] = {}
+        nblock_values = 0
+    for i, t in enumerate(tables):
+        a, b, nd = cstart[i], cstart[i + 1], nd_key[i]
+        if a == b:
+            continue
+        if isinstance(t, ChunkTable):
+            s_off[a:b, :nd] = t.offsets
+            s_size[a:b, :nd] = t.sizes
+            s_nbytes[a:b] = t.nbytes
+            m = remap.get(id(t.files))
+            if m is None or m[0] is not t.files:
+                m = remap[id(t.files)] = (t.files, np.array([file_index.setdefault(f, len(file_index))
+                                                             for f in t.files] or [0]))
+            s_file[a:b] = m[1][t.file]
+            s_boff[a:b] = t.byte_offset
+            s_crc[a:b] = t.checksum
+            v = block_arrays.get(id(t.block_values))
+            if v is None or v[0] is not t.block_values:
+                v = block_arrays[id(t.block_values)] = (t.block_values, nblock_values)
+                nblock_values += len(t.block_values)
+            s_bstart[a:b] = t.block_bounds[:-1] + v[1]
+            s_blen[a:b] = np.diff(t.block_bounds)
+        else:
+            try:
+                s_off[a:b, :nd] = [c.offsets for c in t]
+                s_size[a:b, :nd] = [c.sizes for c in t]
+                s_nbytes[a:b] = [c.nbytes for c in t]
+            except (ValueError, TypeError, OverflowError):
+                return (None,) * 11
+        if nd > 0:
+            ext[i, :nd] = (s_off[a:b, :nd] + s_size[a:b, :nd]).max(axis=0)
+    files = list(file_index) if stored else []
+    blocks = [v[0] for v in block_arrays.values()] if stored else []
+    return s_off, s_size, s_nbytes, ext, files, s_file, s_boff, s_crc, s_bstart, s_blen, blocks
+
+
+def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes,
+                        s_off, s_size, s_key, nd_key, isz):
+    """Regroup the pairs of every large stored chunk that several ranks need in disjoint parts
+    covering it: one group per rank (in the order the ranks first appear), so each rank reads its
+    own part. Also returns, per group, whether it is such a part (a joint read)."""
+    cand = np.flatnonzero((s_nbytes[sp_chunk] >= SPLIT_MIN_BYTES) & ~live_chunk[sp_chunk] & (sp_count > 1))
+    splits: dict[int, list[list[int]]] = {}
+    for j in cand.tolist():
+        grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]]
+        ranks = p_rank[grp]
+        if (ranks == ranks[0]).all():
+            continue
+        c = int(sp_chunk[j])
+        k = int(s_key[c])
+        nd = max(int(nd_key[k]), 0)
+        co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
+        glo, gsz = boxes(grp)
+        by_rank: dict[int, list[int]] = {}
+        runs: dict[int, list] = {}
+        for x, r, o, z in zip(grp.tolist(), ranks.tolist(), glo.tolist(), gsz.tolist()):
+            by_rank.setdefault(r, []).append(x)
+            runs.setdefault(r, []).extend(byte_runs(co, cs, tuple(o[:nd]), tuple(z[:nd]), int(isz[k])))
+        if _splits(runs, int(s_nbytes[c])):
+            splits[j] = list(by_rank.values())
+    if not splits:
+        return sp, sp_heads, sp_chunk, sp_count, np.zeros(len(sp_heads), bool)
+    groups: list = []
+    chunks: list[int] = []
+    joint: list[bool] = []
+    for j in range(len(sp_heads)):
+        parts = splits.get(j) or [sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()]
+        groups += parts
+        chunks += [int(sp_chunk[j])] * len(parts)
+        joint += [j in splits] * len(parts)
+    count = np.array([len(g) for g in groups], np.int64)
+    heads = np.zeros(len(groups), np.int64)
+    np.cumsum(count[:-1], out=heads[1:])
+    return (np.array([x for g in groups for x in g], np.int64), heads, np.array(chunks, np.int64), count,
+            np.array(joint, bool))
+
+
+def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
+    """(request, chunk) pairs that overlap, for keys whose chunks are not split along one dimension."""
+    out_q, out_c = [], []
+    indexes: dict[int, tuple] = {}
+    for q in reqs.tolist():
+        k = int(q_key[q])
+        ix = indexes.get(k)
+        if ix is None:
+            a, b = int(cstart[k]), int(cstart[k + 1])
+            live = [c for c in range(a, b) if c_live[c]]
+            boxes = [(tuple(s_off[c].tolist()), tuple(s_size[c].tolist())) for c in live]
+            ix = indexes[k] = (live, boxes, _ChunkIndex([_Box(o, s) for o, s in boxes]))
+        live, boxes, index = ix
+        qo, qs = tuple(q_off[q].tolist()), tuple(q_size[q].tolist())
+        for ci in index.candidates(qo, qs):
+            if intersect(boxes[ci][0], boxes[ci][1], qo, qs) is not None:
+                out_q.append(q)
+                out_c.append(live[ci])
+    return np.array(out_q, np.int64), np.array(out_c, np.int64)
+
+
+class _Box:
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets, sizes):
+        self.offsets, self.sizes = offsets, sizes
+
+
+def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``a[rows]`` for a 2-D array (np.take copies whole rows, many times faster than fancy indexing)."""
+    return np.take(a, rows, axis=0)
+
+
+def _pick(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``a[rows, cols]`` of a C-contiguous 2-D array, through its flat view."""
+    return np.take(a.reshape(-1), rows * a.shape[1] + cols)
