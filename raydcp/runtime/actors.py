@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import CheckpointError, RankFailure
 from ..transport import decode, encode
-from .coordinator import Coordinator
+from .coordinator import Coordinator, planning_pages
 
 NAMESPACE = "raydcp"
 
@@ -57,6 +57,7 @@ class CoordinatorHost:
     """
 
     def __init__(self, group_name: str, creator_rank: int):
+        planning_pages()  # this actor's process plans: ordinary pages for its short-lived arrays
         self.group_name = group_name
         self.creator_rank = creator_rank
         self.ops: dict[int, Coordinator] = {}

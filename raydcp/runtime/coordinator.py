@@ -38,10 +38,33 @@ from typing import Any, Callable
 from ..errors import CheckpointError, RankFailure, raise_failures
 from ..transport import run_reduce
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "planning_pages"]
 
 _REDUCE = "reduce_scatter"
 _EXCHANGE = "exchange"
+
+
+def planning_pages() -> bool:
+    """Turn off numpy's huge-page advice in this process; True where this numpy has the switch.
+
+    Called once where the coordinator's actor starts (``raydcp.runtime.actors``), and by
+    ``bench/planning.py`` so that it measures what the coordinator runs; never on import, and
+    never in a user's process. Why: planning at scale allocates many short-lived arrays of a few
+    MiB. numpy advises the kernel to back arrays from 4 MiB on with transparent huge pages; where
+    THP ``defrag`` is ``madvise`` a fault on such an array may compact memory synchronously and
+    zeroes 2 MiB at once, so past the size where arrays cross 4 MiB the kernel's share of
+    planning grew faster than the pieces. With the advice off every array gets ordinary pages,
+    whose faults cost the same per byte at every scale.
+    """
+    try:
+        from numpy._core import multiarray  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray
+    switch = getattr(multiarray, "_set_madvise_hugepage", None)
+    if switch is None:
+        return False
+    switch(False)
+    return True
 
 
 @dataclass
