@@ -45,17 +45,25 @@ _EXCHANGE = "exchange"
 
 
 def planning_pages() -> bool:
-    """Turn off numpy's huge-page advice in this process; True where this numpy has the switch.
+    """Give this process's planning memory ordinary pages; True where numpy has the switch.
 
     Called once where the coordinator's actor starts (``raydcp.runtime.actors``), and by
     ``bench/planning.py`` so that it measures what the coordinator runs; never on import, and
     never in a user's process. Why: planning at scale allocates many short-lived arrays of a few
-    MiB. numpy advises the kernel to back arrays from 4 MiB on with transparent huge pages; where
-    THP ``defrag`` is ``madvise`` a fault on such an array may compact memory synchronously and
-    zeroes 2 MiB at once, so past the size where arrays cross 4 MiB the kernel's share of
-    planning grew faster than the pieces. With the advice off every array gets ordinary pages,
-    whose faults cost the same per byte at every scale.
+    MiB. numpy advises the kernel to back arrays from 4 MiB on with transparent huge pages, and
+    Arrow's default allocator (mimalloc) backs its arenas with them too; where THP ``defrag`` is
+    ``madvise`` such a fault may compact memory synchronously and zeroes 2 MiB at once, so past
+    the size where arrays cross 4 MiB the kernel's share of planning grew faster than the pieces.
+    So: numpy's huge-page advice off, and Arrow's default pool the system allocator (the
+    metadata's columns, decoded here, are its only large Arrow buffers). Ordinary pages fault
+    at the same cost per byte at every scale.
     """
+    try:
+        import pyarrow as pa
+
+        pa.set_memory_pool(pa.system_memory_pool())
+    except ImportError:  # pragma: no cover - pyarrow is a dependency
+        pass
     try:
         from numpy._core import multiarray  # numpy 2
     except ImportError:  # numpy 1
