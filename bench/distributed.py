@@ -374,12 +374,12 @@ def _timed_shard_actor_cls(profile: bool = False):
                     self.prof.disable()
                 self.span = (t0, time.time())
 
-        def send(self, group):
-            return self._timed(super().send, group)
+        def send(self, slot, group):
+            return self._timed(super().send, slot, group)
 
-        def receive(self, group, specs, value_keys, layout):
+        def receive(self, slot, group, *args):
             self.prof = cProfile.Profile() if profile else None
-            return self._timed(super().receive, group, specs, value_keys, layout)
+            return self._timed(super().receive, slot, group, *args)
 
         def timing(self):
             return {"span": self.span, "pid": os.getpid(),
@@ -475,8 +475,8 @@ class RayDcpSide:
 
     def _check_group(self, group, world: int) -> None:
         spec = self.specs["large"]
-        bad = sum(self.ray.get([a.apply.remote(_check_group_pieces, spec, r, world)
-                                for r, a in enumerate(group.actors)]))
+        bad = sum(self.ray.get([group.apply_remote(r, _check_group_pieces, spec, r, world)
+                                for r in range(world)]))
         if bad:
             raise AssertionError(f"raydcp ShardGroup({world}): {bad} pieces differ from the saved values")
 

@@ -193,8 +193,9 @@ def _remote_class(cls):
     return ray.remote(cls)
 
 
-def start_shard_actor(cls, rank: int, world_size: int, pg, *, num_gpus: float, num_cpus: float):
-    """Start member ``rank`` of a ShardGroup in bundle ``rank`` of placement group ``pg``.
+def start_shard_actor(cls, rank: int, world_size: int, pg, *, num_gpus: float, num_cpus: float,
+                      bundle: int | None = None):
+    """Start member ``rank`` of a ShardGroup in bundle ``bundle`` (default ``rank``) of placement group ``pg``.
 
     ``cls`` is ShardActor or a subclass. One extra concurrency slot lets probes
     (``info``, ``apply``) answer while a collective step runs.
@@ -204,6 +205,7 @@ def start_shard_actor(cls, rank: int, world_size: int, pg, *, num_gpus: float, n
         num_cpus=num_cpus,
         max_concurrency=2,
         max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=rank if bundle is None else bundle),
     ).remote(rank, world_size)
 

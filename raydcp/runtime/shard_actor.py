@@ -1,8 +1,8 @@
 """One member of a ShardGroup: holds a flat state dict of pieces and runs collective steps.
 
 A plain class (``raydcp.runtime.actors`` makes it a Ray actor). Every collective
-method takes a ``group`` spec ``(name, rank, world_size, timeout_s)`` from the
-driver -- a fresh name per operation, so a failed operation never leaves the
+method takes the name of the ShardGroup whose state it works on (its *slot*) and a
+``group`` spec ``(name, rank, world_size, timeout_s)`` from the driver -- a fresh name per operation, so a failed operation never leaves the
 next one out of step -- and returns its result, or the ``CheckpointError`` it
 raised (as a value: the driver gathers every rank's outcome and raises once).
 """
@@ -27,50 +27,66 @@ GroupSpec = tuple[str, int, int, float]
 
 
 class ShardActor:
+    """Holds the pieces of every ShardGroup this actor is a member of, by group name.
+
+    An actor can belong to several groups at once: ``ShardGroup.reshard`` keeps the
+    source group's actors as members of the new group where they hold the most of
+    their new pieces already, so a reshard starts actors only for the ranks it adds.
+    """
+
     def __init__(self, rank: int, world_size: int):
-        self.rank = rank
+        self.rank = rank  # the rank it was started for (its first group's)
         self.world_size = world_size
         # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigned, so the first visible one is ours.
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self.state: dict[str, Any] = {}
+        self.states: dict[str, dict[str, Any]] = {}  # group name -> its flat state on this actor
+        self._dropped: set[str] = set()
 
     # -- collective steps (every rank of the group at once) -----------------------------
-    def load(self, group: GroupSpec, checkpoint_id: str, fresh: tuple | None, strict: bool,
+    def load(self, slot: str, group: GroupSpec, checkpoint_id: str, fresh: tuple | None, strict: bool,
              storage_options: dict | None):
-        """Load into the held state in place, or (``fresh=(specs, value_keys, layout)``) into new pieces."""
+        """Load into group ``slot``'s state in place, or (``fresh=(specs, value_keys, layout)``) into new pieces."""
         def run():
-            state = self._empty(*fresh) if fresh is not None else self.state
+            _, rank, world_size, _ = group
+            state = self._empty(*fresh, rank, world_size) if fresh is not None else self._state(slot)
             _load(state, checkpoint_id, group=self._group(*group), strict=strict, storage_options=storage_options)
-            self.state = state
+            self._keep(slot, state)
             return None
 
         return self._outcome(run)
 
-    def save(self, group: GroupSpec, checkpoint_id: str, storage_options: dict | None):
-        """Save the held state; rank 0 returns the Metadata (the others None, to ship it once)."""
+    def save(self, slot: str, group: GroupSpec, checkpoint_id: str, storage_options: dict | None):
+        """Save group ``slot``'s state; rank 0 returns the Metadata (the others None, to ship it once)."""
         def run():
-            md = _save(self.state, checkpoint_id, group=self._group(*group), storage_options=storage_options)
-            return md if self.rank == 0 else None
+            md = _save(self._state(slot), checkpoint_id, group=self._group(*group), storage_options=storage_options)
+            return md if group[1] == 0 else None
 
         return self._outcome(run)
 
-    def send(self, group: GroupSpec):
-        """Serve the held pieces to a transfer (in-memory reshard) as a source rank."""
+    def send(self, slot: str, group: GroupSpec):
+        """Serve group ``slot``'s pieces to a transfer (in-memory reshard) as a source rank."""
         def run():
-            _transfer(self.state, None, group=self._group(*group))
+            _transfer(self._state(slot), None, group=self._group(*group))
             return None
 
         return self._outcome(run)
 
-    def receive(self, group: GroupSpec, specs: Specs, value_keys: Iterable[str], layout: str):
-        """Receive new pieces of ``layout`` from a transfer as a destination rank."""
+    def receive(self, slot: str, group: GroupSpec, rank: int, world_size: int, specs: Specs,
+                value_keys: Iterable[str], layout: str, source: str | None = None):
+        """Receive group ``slot``'s pieces (``rank`` of ``world_size`` in ``layout``) from a transfer;
+        with ``source``, this actor also serves that group's pieces to the same transfer."""
         def run():
-            state = self._empty(specs, value_keys, layout)
-            _transfer(None, state, group=self._group(*group))
-            self.state = state
+            state = self._empty(specs, value_keys, layout, rank, world_size)
+            _transfer(self._state(source) if source is not None else None, state, group=self._group(*group))
+            self._keep(slot, state)
             return None
 
         return self._outcome(run)
+
+    def drop(self, slot: str) -> None:
+        """Forget group ``slot``'s state (that group shut down or gave this actor up)."""
+        self._dropped.add(slot)
+        self.states.pop(slot, None)
 
     # -- local queries ---------------------------------------------------------------
     def info(self) -> dict:
@@ -80,15 +96,15 @@ class ShardActor:
             "device": str(self.device),
             "cuda_available": torch.cuda.is_available(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "keys": len(self.state),
+            "keys": {slot: len(state) for slot, state in self.states.items()},
         }
 
-    def specs(self) -> tuple[dict, dict]:
-        """``({fqn: (global shape, dtype)}, {value key: value})`` of the held state."""
+    def specs(self, slot: str | None = None) -> tuple[dict, dict]:
+        """``({fqn: (global shape, dtype)}, {value key: value})`` of a group's state."""
         from ..codec import dtype_name
 
         specs, values = {}, {}
-        for fqn, v in self.state.items():
+        for fqn, v in self._state(slot).items():
             if isinstance(v, Shard):
                 specs[fqn] = (v.global_shape, dtype_name(v.tensor.dtype))
             elif isinstance(v, torch.Tensor):
@@ -98,12 +114,29 @@ class ShardActor:
         return specs, values
 
     def apply(self, fn: Callable, *args) -> Any:
-        """Run ``fn(state, *args)`` on this actor's state (inspection, tests, tools)."""
-        return fn(self.state, *args)
+        """Run ``fn(state, *args)`` on the state of this actor's only group (inspection, tests, tools)."""
+        return fn(self._state(None), *args)
+
+    def apply_to(self, slot: str, fn: Callable, *args) -> Any:
+        """Run ``fn(state, *args)`` on group ``slot``'s state."""
+        return fn(self._state(slot), *args)
 
     # -- helpers -----------------------------------------------------------------------
-    def _empty(self, specs: Specs, value_keys: Iterable[str], layout: str) -> dict:
-        return empty_state(specs, value_keys, layout, self.rank, self.world_size, self.device)
+    def _state(self, slot: str | None) -> dict:
+        if slot is None:  # the only group's state
+            if len(self.states) > 1:
+                raise CheckpointError(
+                    f"this actor holds the state of several ShardGroups ({', '.join(sorted(self.states))}); "
+                    f"name one: ShardGroup.apply(fn) or actor.apply_to(group_name, fn)")
+            return next(iter(self.states.values()), {})
+        return self.states.get(slot, {})
+
+    def _keep(self, slot: str, state: dict) -> None:
+        if slot not in self._dropped:  # a group that shut down while this step ran keeps nothing here
+            self.states[slot] = state
+
+    def _empty(self, specs: Specs, value_keys: Iterable[str], layout: str, rank: int, world_size: int) -> dict:
+        return empty_state(specs, value_keys, layout, rank, world_size, self.device)
 
     def _group(self, name: str, rank: int, world_size: int, timeout_s: float) -> Group:
         """The Group of one operation (subclasses may wrap it, e.g. to inject faults in tests)."""

@@ -12,11 +12,18 @@ actors, and of the driver itself for ``full_state_dict``):
    tensor in the layout, then load them collectively; a later load fills the
    held pieces in place (``strict`` as in ``raydcp.load``).
 3. ``save(checkpoint_id)``: a collective ``raydcp.save`` of the held pieces.
-4. ``reshard(M2)``: a new ShardGroup of M2 actors receives the state from this
-   one through the object store (``raydcp.engine.transfer``), no storage round trip.
+4. ``reshard(M2)``: a new ShardGroup of M2 ranks receives the state from this one
+   through the object store (``raydcp.engine.transfer``), no storage round trip.
+   The new group keeps this group's actors where they already hold the most of
+   their new pieces (``layouts.reuse_ranks``; those bytes are copied within the
+   actor), so it starts actors only for the ranks it adds, and a 4 -> 6 reshard
+   needs 6 GPUs, not 10. Both groups stay usable; an actor ends when the last
+   group using it shuts down. ``prepare_reshard(M2)`` starts the actors a later
+   ``reshard(M2)`` will add ahead of time (while training goes on).
 5. ``full_state_dict()``: the driver joins a transfer as one more rank and
    receives whole tensors (CPU), keyed by flat FQN, plus the plain values.
-6. ``shutdown()``: ends the actors and frees the placement group.
+6. ``shutdown()``: drops this group's state from its actors and ends those no
+   other group uses; a placement group is freed once its last actor ended.
 
 Every operation runs under a fresh group name, so a failed one never leaves the
 next out of step. The driver gathers each actor's outcome and raises one
@@ -34,14 +41,13 @@ from typing import Any, Callable
 
 import ray
 from ray import exceptions as rex
-from ray.util.placement_group import placement_group, remove_placement_group
 
 from ..engine import read_metadata, transfer
 from ..errors import CheckpointError
 from ..group import Group
 from . import actors
-from .actors import start_shard_actor
-from .layouts import check_layout, empty_state
+from .layouts import check_layout, empty_state, reuse_ranks
+from .members import Member, start_members
 from .shard_actor import ShardActor
 
 __all__ = ["ShardGroup"]
@@ -100,7 +106,7 @@ class ShardGroup:
 
     def __init__(self, world_size: int, *, num_gpus_per_actor: float = 1, layout: str = "dim0",
                  timeout_s: float = 600.0, num_cpus_per_actor: float = 0.0, name: str | None = None,
-                 _actor_cls: type = ShardActor):
+                 _actor_cls: type = ShardActor, _members: list | None = None):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise CheckpointError(f"ShardGroup: world_size must be an int >= 1, got {world_size!r}")
         for knob, v in (("num_gpus_per_actor", num_gpus_per_actor), ("num_cpus_per_actor", num_cpus_per_actor)):
@@ -121,45 +127,42 @@ class ShardGroup:
         self._specs: tuple[dict, list] | None = None  # ({fqn: (shape, dtype)}, value keys) of the held state
         self._broken: str | None = None
         self._stragglers: list = []
-        self._actors: list = []
-        self._pg = None
+        self._members: list[Member] = []
+        self._spares: list[Member] = []  # started by prepare_reshard for a later reshard
 
         if not ray.is_initialized():
             ray.init()
-        bundles, gpus, note = plan_placement(ray.cluster_resources(), world_size, self._requested_gpus, self._num_cpus)
+        self._bundles, gpus, note = plan_placement(ray.cluster_resources(), world_size, self._requested_gpus,
+                                                   self._num_cpus)
         if note:
             log.warning(note)
             warnings.warn(note, RuntimeWarning, stacklevel=2)
         self.num_gpus_per_actor = gpus
-        self._pg = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(self._pg.ready(), timeout=self.timeout_s)
-        except rex.GetTimeoutError:
-            self.shutdown()
-            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-            raise CheckpointError(
-                f"ShardGroup: could not reserve {world_size} x {bundles[0]} within {self.timeout_s:g}s; the cluster "
-                f"has {free} free; free resources or raise timeout_s"
-            ) from None
         # Actors start in the background (several groups can start at once); the first
-        # operation, or .info, waits for them.
-        self._actors = [start_shard_actor(self._cls, r, world_size, self._pg, num_gpus=gpus, num_cpus=self._num_cpus)
-                        for r in range(world_size)]
-        self._info_refs = {r: a.info.remote() for r, a in enumerate(self._actors)}
+        # operation, or .info, waits for them. Members handed over (by reshard) are up already.
+        given = list(_members) if _members is not None else [None] * world_size
+        fresh = start_members(self._cls, given.count(None), self._bundles, num_gpus=gpus, num_cpus=self._num_cpus,
+                              timeout_s=self.timeout_s, world_size=world_size)
+        it = iter(fresh)
+        self._members = [(m if m is not None else next(it)).join(self.name) for m in given]
+        self._info_refs = {r: m.handle.info.remote() for r, m in enumerate(self._members)}
         self._info: dict | None = None
 
     # -- public operations -------------------------------------------------------------------
     @property
     def actors(self) -> list:
         """The actor handles, by rank (for inspection: ``actor.apply.remote(fn)`` runs ``fn(state)``)."""
-        return list(self._actors)
+        return [m.handle for m in self._members]
 
     @property
     def info(self) -> dict[int, dict]:
         """Per rank: pid, device, CUDA_VISIBLE_DEVICES, ... (waits for the actors to be up)."""
         if self._info is None:
             self._begin("start")
-            self._info = self._gather("start", dict(self._info_refs))
+            info = self._gather("start", dict(self._info_refs))
+            for r, d in info.items():  # the rank in this group; the key count of this group's state
+                d["rank"], d["keys"] = r, d["keys"].get(self.name, 0)
+            self._info = info
         return self._info
 
     @property
@@ -180,7 +183,8 @@ class ShardGroup:
             fresh = (specs, sorted(md.values), lay)
         spec = self._spec()
         self._gather(f"load({ckpt!r})",
-                     {r: a.load.remote(spec(r), ckpt, fresh, strict, storage_options) for r, a in enumerate(self._actors)})
+                     {r: a.load.remote(self.name, spec(r), ckpt, fresh, strict, storage_options)
+                      for r, a in enumerate(self.actors)})
         if fresh is not None:
             self._specs, self.layout = (fresh[0], fresh[1]), fresh[2]
         return self
@@ -191,30 +195,90 @@ class ShardGroup:
         self._begin("save", need_state=True)
         spec = self._spec()
         out = self._gather(f"save({ckpt!r})",
-                           {r: a.save.remote(spec(r), ckpt, storage_options) for r, a in enumerate(self._actors)})
+                           {r: a.save.remote(self.name, spec(r), ckpt, storage_options) for r, a in enumerate(self.actors)})
         return out[0]
 
     def reshard(self, world_size: int, *, layout: str | None = None,
                 num_gpus_per_actor: float | None = None) -> "ShardGroup":
-        """A new ShardGroup of ``world_size`` actors holding this state (through the object store)."""
+        """A new ShardGroup of ``world_size`` ranks holding this state (through the object store).
+
+        The new group keeps this group's actors where they hold the most of their new
+        pieces and starts actors (or takes those ``prepare_reshard`` started) for the
+        rest; this group keeps its state and stays usable.
+        """
         self._begin("reshard", need_state=True)
-        new = ShardGroup(world_size, layout=layout or self.layout, timeout_s=self.timeout_s,
-                         num_gpus_per_actor=self._requested_gpus if num_gpus_per_actor is None else num_gpus_per_actor,
-                         num_cpus_per_actor=self._num_cpus, _actor_cls=self._cls)
+        lay = check_layout(layout or self.layout)
+        specs, keys = self._specs
+        reuse = self._reuse_plan(world_size, lay, num_gpus_per_actor)
+        given = [self._members[i] if i is not None else (self._spares.pop() if self._spares else None)
+                 for i in reuse]
         try:
-            n = self.world_size
-            spec = self._spec(n + world_size)
-            specs, keys = self._specs
-            refs = {r: a.send.remote(spec(r)) for r, a in enumerate(self._actors)}
-            refs.update({n + j: a.receive.remote(spec(n + j), specs, keys, new.layout)
-                         for j, a in enumerate(new._actors)})
-            self._gather(f"reshard({world_size})", refs, members={n + j: (new, j) for j in range(world_size)},
-                         note=f"ranks 0-{n - 1}: this group, {n}-{n + world_size - 1}: the new one")
+            new = ShardGroup(world_size, layout=lay, timeout_s=self.timeout_s,
+                             num_gpus_per_actor=self._requested_gpus if num_gpus_per_actor is None else num_gpus_per_actor,
+                             num_cpus_per_actor=self._num_cpus, _actor_cls=self._cls, _members=given)
+        except BaseException:
+            for m in given:  # spares taken for it end here; this group's own actors stay
+                if m is not None and not m.groups:
+                    m.end()
+            raise
+        try:
+            self._transfer_to(new, reuse, specs, keys)
         except BaseException:
             new.shutdown()
             raise
         new._specs = self._specs
         return new
+
+    def prepare_reshard(self, world_size: int, *, layout: str | None = None) -> "ShardGroup":
+        """Start now, in the background, the actors a later ``reshard(world_size, layout=...)`` adds; returns self.
+
+        For elastic scale-up: the new workers' actors start (imports, placement) while
+        training goes on, and the reshard then only moves the pieces. Unused ones end
+        with this group.
+        """
+        self._begin("prepare_reshard", need_state=True)
+        need = self._reuse_plan(world_size, check_layout(layout or self.layout), None).count(None)
+        more = need - len(self._spares)
+        if more > 0:
+            bundles, gpus, _ = plan_placement(ray.cluster_resources(), more, self._requested_gpus, self._num_cpus)
+            self._spares += start_members(self._cls, more, bundles, num_gpus=gpus, num_cpus=self._num_cpus,
+                                          timeout_s=self.timeout_s, first_rank=self.world_size,
+                                          world_size=world_size)
+        return self
+
+    def _reuse_plan(self, world_size: int, layout: str, num_gpus_per_actor: float | None) -> list[int | None]:
+        """For each new rank, the rank of this group whose actor takes it, or None (an actor to add)."""
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise CheckpointError(f"ShardGroup: world_size must be an int >= 1, got {world_size!r}")
+        if num_gpus_per_actor is not None and float(num_gpus_per_actor) != self._requested_gpus:
+            for m in self._spares:  # other resources: no actor of this group, and no spare, fits
+                m.end()
+            self._spares = []
+            return [None] * world_size
+        specs, _ = self._specs
+        return reuse_ranks(specs, self.layout, self.world_size, layout, world_size)
+
+    def _transfer_to(self, new: "ShardGroup", reuse: list[int | None], specs: dict, keys: list) -> None:
+        """One transfer: this group's ranks first (sending, and receiving where reused), then the added actors."""
+        n = self.world_size
+        new_rank_of = {i: j for j, i in enumerate(reuse) if i is not None}
+        added = [j for j, i in enumerate(reuse) if i is None]
+        spec = self._spec(n + len(added))
+        refs, groups = {}, {}
+        for i, a in enumerate(self.actors):
+            if i in new_rank_of:
+                refs[i] = a.receive.remote(new.name, spec(i), new_rank_of[i], new.world_size, specs, keys, new.layout,
+                                           self.name)
+                groups[i] = [self, new]
+            else:
+                refs[i] = a.send.remote(self.name, spec(i))
+        for k, j in enumerate(added):
+            refs[n + k] = new.actors[j].receive.remote(new.name, spec(n + k), j, new.world_size, specs, keys,
+                                                       new.layout)
+            groups[n + k] = [new]
+        where = f"ranks 0-{n - 1}: this group" + (
+            f", {n}-{n + len(added) - 1}: actors added for new ranks {added}" if added else "")
+        self._gather(f"reshard({new.world_size})", refs, groups, note=where)
 
     def full_state_dict(self) -> dict:
         """Every tensor whole, on the driver's CPU, keyed by flat FQN; plain values included."""
@@ -222,7 +286,7 @@ class ShardGroup:
         n = self.world_size
         spec = self._spec(n + 1)
         specs, keys = self._specs
-        refs = {r: a.send.remote(spec(r)) for r, a in enumerate(self._actors)}
+        refs = {r: a.send.remote(self.name, spec(r)) for r, a in enumerate(self.actors)}
         dest = empty_state(specs, keys, "replicated", 0, 1, "cpu")
         mine: CheckpointError | None = None
         try:
@@ -232,21 +296,22 @@ class ShardGroup:
         self._gather("full_state_dict()", refs, local={n: mine}, note=f"rank {n}: the driver")
         return dest
 
+    def apply(self, fn: Callable, *args) -> list:
+        """``fn(state, *args)`` on every rank's state of this group (inspection, tests, tools); results by rank."""
+        return ray.get([self.apply_remote(r, fn, *args) for r in range(self.world_size)])
+
+    def apply_remote(self, rank: int, fn: Callable, *args):
+        """``fn(state, *args)`` on rank ``rank``'s state of this group, as an ObjectRef."""
+        return self._members[rank].handle.apply_to.remote(self.name, fn, *args)
+
     def shutdown(self) -> None:
-        """End the actors and free their placement group (idempotent)."""
-        for a in self._actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        self._actors = []
+        """Drop this group's state from its actors, end those no other group uses (idempotent)."""
+        for m in self._members:
+            m.leave(self.name)
+        for m in self._spares:
+            m.end()
+        self._members, self._spares = [], []
         self._stragglers = []
-        if self._pg is not None:
-            try:
-                remove_placement_group(self._pg)
-            except Exception:
-                pass
-            self._pg = None
         self._broken = self._broken or "it was shut down"
 
     def __enter__(self) -> "ShardGroup":
@@ -287,7 +352,7 @@ class ShardGroup:
                 note: str = "") -> dict:
         """Wait for every rank's outcome; raise one CheckpointError naming failed, dead and stuck ranks.
 
-        ``members`` maps a rank to ``(group, rank)`` where it is not this group's actor of the same rank.
+        ``members`` maps a rank to the groups its actor serves, where that is not just this group.
         """
         try:
             return self._await(what, refs, members, local=local, note=note)
@@ -326,10 +391,12 @@ class ShardGroup:
         stuck = sorted(pending.values())
         if not (errors or dead or stuck):
             return results
-        self._stragglers.extend(ref for ref, r in pending.items() if r not in members)
+        for ref, r in pending.items():
+            for group in members.get(r, [self]):
+                group._stragglers.append(ref)
         for r in dead:
-            group, _ = members.get(r, (self, r))
-            group._broken = group._broken or f"the actors of ranks {sorted(dead)} died during {what}"
+            for group in members.get(r, [self]):
+                group._broken = group._broken or f"the actors of ranks {sorted(dead)} died during {what}"
         raise _combined_error(self.name, what, errors, sorted(dead), stuck, note)
 
 

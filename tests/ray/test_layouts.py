@@ -59,3 +59,24 @@ def test_placement_with_gpus():
     assert plan_placement({"GPU": 4.0}, 2, 0, 0)[:2] == ([{"CPU": 0.001}] * 2, 0)
     with pytest.raises(CheckpointError, match=r"needs 6 GPUs but the Ray cluster has 4.*num_gpus_per_actor <= 0.666667"):
         plan_placement({"GPU": 4.0}, 6, 1, 0)
+
+
+def test_reuse_ranks_keeps_the_pieces_in_place():
+    from raydcp.runtime.layouts import reuse_ranks
+
+    specs = {f"t{i}": ((2048, 1024), "float32") for i in range(4)}
+    # 4 -> 6 along rows: old rank 1 holds new rank 2's rows, old 2 new 3's, old 3 new 5's
+    assert reuse_ranks(specs, "dim0", 4, "dim0", 6) == [0, None, 1, 2, None, 3]
+    assert reuse_ranks(specs, "dim0", 6, "dim0", 4) == [0, 2, 3, 5]  # shrinking: 4 of the 6 stay
+    assert reuse_ranks(specs, "dim0", 4, "dim0", 4) == [0, 1, 2, 3]
+    assert reuse_ranks(specs, "dim0", 2, "dim1", 3).count(None) == 1  # rows -> columns: any two, one added
+    assert reuse_ranks(specs, "replicated", 3, "dim0", 2) in ([0, 1], [0, 2], [1, 2], [1, 0], [2, 0], [2, 1])
+    # halving pieces: each old rank keeps the first half of its rows (ties go to the nearer rank)
+    mixed = {"big": ((600, 10), "float64"), "small": ((4, 6), "float32")}
+    assert reuse_ranks(mixed, "dim0", 3, "dim0", 6) == [0, None, 1, None, 2, None]
+    # bytes decide: a big tensor split by rows outweighs a small one split by columns
+    assert reuse_ranks({"big": ((90, 4), "float64"), "small": ((4, 30), "float32")}, "dim0", 3, "dim1", 3) == [0, 1, 2]
+    assert reuse_ranks({"big": ((90, 4), "float64"), "small": ((4, 30), "float32")}, "dim1", 3, "dim0", 3) == [0, 1, 2]
+    assert reuse_ranks({}, "dim0", 2, "dim0", 3).count(None) == 1  # nothing held: any assignment
+    with pytest.raises(CheckpointError, match="unknown layout"):
+        reuse_ranks(specs, "rows", 2, "dim0", 3)

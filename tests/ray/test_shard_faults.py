@@ -41,7 +41,8 @@ def faulty(ray_session):
 
 
 def holds(ray, g, full, layout="dim0"):
-    return ray.get([a.apply.remote(check_pieces, full, layout, r, g.world_size) for r, a in enumerate(g.actors)]) == [[]] * g.world_size
+    return ray.get([g.apply_remote(r, check_pieces, full, layout, r, g.world_size)
+                    for r in range(g.world_size)]) == [[]] * g.world_size
 
 
 def test_rank_that_never_arrives_is_named(ray_session, faulty, src, full, tmp_path):
