@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import time
 from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import crc32c
 import numpy as np
@@ -88,8 +88,8 @@ def _packable(t: torch.Tensor) -> bool:
     return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources, crcs: list, blocks: list
-                  ) -> Iterator[Any]:
+def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources, crcs: list, blocks: list,
+                  read: Callable[[int, int, int, int], None] | None = None) -> Iterator[Any]:
     """The buffers of one data file, whose pieces are the items ``ids`` at byte ``offsets``, in
     order; runs in the file's writing thread.
 
@@ -98,19 +98,27 @@ def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources,
     large ones are written from their own memory WRITE_BYTES at a time, each 1 MiB block
     checksummed just before it is written and the piece's checksum combined from its blocks, so
     every byte is read once, while it is in cache.
+
+    With ``read`` the pieces' bytes are not in this process (``sources`` is not used):
+    ``read(item, start, nbytes, address)`` copies bytes ``[start, start + nbytes)`` of
+    piece ``item`` to ``address``. Every piece is then packed or copied WRITE_BYTES at a time
+    into one buffer of this file's that is reused for the next chunk once written (the
+    storage writes each buffer before it asks for the next, see ``write_file``).
     """
     crc = crc32c.crc32c
     memmove = ctypes.memmove
     pos, i, n = 0, 0, len(ids)
+    chunk: np.ndarray | None = None  # with ``read``: where large pieces are copied, a chunk at a time
     while i < n:
         item = ids[i]
         nbytes = sizes[item]
-        src = sources[item]
-        if nbytes <= PACK_MAX and _packable(src):
+        src = sources[item] if read is None else None
+        if nbytes <= PACK_MAX and (read is not None or _packable(src)):
             j, end = i + 1, offsets[i] + nbytes
             while j < n:
                 nb = sizes[ids[j]]
-                if nb > PACK_MAX or offsets[j] + nb - pos > PACK_BYTES or not _packable(sources[ids[j]]):
+                if (nb > PACK_MAX or offsets[j] + nb - pos > PACK_BYTES
+                        or (read is None and not _packable(sources[ids[j]]))):
                     break
                 end = offsets[j] + nb
                 j += 1
@@ -121,7 +129,10 @@ def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources,
                 item = ids[k]
                 nb = sizes[item]
                 off = offsets[k] - pos
-                memmove(base + off, sources[item].data_ptr(), nb)
+                if read is None:
+                    memmove(base + off, sources[item].data_ptr(), nb)
+                else:
+                    read(item, 0, nb, base + off)
                 crcs[item] = crc(view[off:off + nb])
             yield arr
             pos, i = end, j
@@ -130,19 +141,30 @@ def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources,
         off = offsets[i - 1]
         if off > pos:
             yield _ZEROS[: off - pos]
-        raw = _byte_view(src)
-        view = memoryview((raw if raw.is_cpu else raw.cpu()).numpy())
-        if nbytes <= BLOCK_BYTES:
+        if read is None:
+            raw = _byte_view(src)
+            view = memoryview((raw if raw.is_cpu else raw.cpu()).numpy())
+        if nbytes <= BLOCK_BYTES and read is None:
             crcs[item] = crc(view)
             yield view
         else:
             bl: list[int] = []
             for s in range(0, nbytes, WRITE_BYTES):
                 e = min(s + WRITE_BYTES, nbytes)
-                bl.extend(crc(view[b:min(b + BLOCK_BYTES, e)]) for b in range(s, e, BLOCK_BYTES))
-                yield view[s:e]
-            crcs[item] = combine_block_checksums(bl, nbytes, BLOCK_BYTES)
-            blocks[item] = tuple(bl)
+                if read is not None:
+                    if chunk is None:
+                        chunk = np.empty(WRITE_BYTES, dtype=np.uint8)
+                    read(item, s, e - s, chunk.ctypes.data)
+                    part = memoryview(chunk)[: e - s]
+                else:
+                    part = view[s:e]
+                bl.extend(crc(part[b:b + BLOCK_BYTES]) for b in range(0, e - s, BLOCK_BYTES))
+                yield part
+            if nbytes <= BLOCK_BYTES:
+                crcs[item] = bl[0]
+            else:
+                crcs[item] = combine_block_checksums(bl, nbytes, BLOCK_BYTES)
+                blocks[item] = tuple(bl)
         pos = off + nbytes
 
 
@@ -156,19 +178,23 @@ def _file_layouts(files) -> list[tuple[str, list[int], list[int]]]:
     return [(name, [s.item for s in slots], [s.byte_offset for s in slots]) for name, slots in files]
 
 
-def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState) -> list[tuple]:
+def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
+                     read: Callable[[str, int, int, int, int], None] | None = None) -> list[tuple]:
     """Write this rank's files (in parallel) and return one storage record per piece.
 
     Each file's pieces are checksummed in its writing thread as they are written
-    (:func:`_file_buffers`), overlapped with the writes of the other files.
+    (:func:`_file_buffers`), overlapped with the writes of the other files. ``read``, for
+    pieces held by another process, is ``read(file name, item, start, nbytes, address)``.
     """
     items = staged.plan.items
-    sources = staged.sources()
+    sources = staged.sources() if read is None else None
     sizes = [it.nbytes for it in items]
     crcs: list[Any] = [None] * len(items)
     blocks: list[tuple[int, ...]] = [()] * len(items)
     layouts = _file_layouts(plan.files)
-    storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks) for name, ids, offs in layouts})
+    storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks,
+                                             None if read is None else partial(read, name))
+                         for name, ids, offs in layouts})
     records = []
     for name, ids, offs in layouts:
         for i, off in zip(ids, offs):
