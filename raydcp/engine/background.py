@@ -1,4 +1,12 @@
-"""async_save: stage on the caller, persist elsewhere, surface the outcome at result()."""
+"""async_save: stage on the caller, persist elsewhere, surface the outcome at result().
+
+Without a group, pieces are staged into one reused arena of this process
+(:mod:`raydcp.engine.staging`: private memory the helper reads with ``process_vm_readv``,
+or shared memory, per ``RAYDCP_STAGING``) and a helper process
+(:class:`HelperPersister`) writes and commits them. Saves are ordered: a save waits
+until the previous one has finished before it stages, so the arena is never
+overwritten while the helper still reads it.
+"""
 from __future__ import annotations
 
 import atexit
@@ -14,7 +22,7 @@ from ..planner.save import ALIGN
 from ..state import flatten_state
 from .persist import HelperPersister
 from .save import local_save_plan
-from .staging import StagingArena
+from .staging import StagingArena, staging_mode
 
 __all__ = ["SaveFuture", "start_async_save"]
 
@@ -95,22 +103,33 @@ def _start_local(state_dict: dict, checkpoint_id: str, storage_options, max_stag
         gp = plan_save([staged.plan], opts)
     except Exception as exc:  # errors surface at result(), as for the background part
         return _failed(exc)
+    try:
+        private = staging_mode() == "private"
+    except CheckpointError as exc:
+        return _failed(exc)
     if _persister is None:
-        _persister, _arena = HelperPersister(), StagingArena(shared=True)
+        _persister = HelperPersister()
         atexit.register(_shutdown)
+    if _arena is None or _arena.shared == private:  # first save, or RAYDCP_STAGING changed
+        if _arena is not None:
+            _arena.close()
+        _arena = StagingArena(shared=not private)
     header = (gp.save_id, 1, dict(gp.tensors), dict(gp.values))
     batches = _batches(gp.ranks[0], staged.plan, cap)
     records: list = []
     for k, batch in enumerate(batches):
         last = k == len(batches) - 1
         indices = [slot.item for _, slots in batch for slot in slots]
+        # the arena is free to overwrite: the previous save (or batch) has finished with it
         layout = _arena.stage(staged, indices, limit=cap)
+        where = ({"source": {"pid": os.getpid(), "address": _arena.address, "size": _arena.buffer.numel()}}
+                 if private else {"arena": _arena.shm_name, "arena_size": _arena.buffer.numel()})
         fut = _persister.submit({
-            "arena": _arena.shm_name, "arena_size": _arena.buffer.numel(), "layout": layout,
+            **where, "layout": layout,
             "local_plan": staged.plan, "write_plan": RankWritePlan(0, gp.save_id, tuple(batch)),
             "checkpoint_id": checkpoint_id, "storage_options": storage_options,
             "header": header if last else None, "records": records if last else [],
-        })
+        }, reads_memory=private)
         if last:
             return SaveFuture(fut)
         try:

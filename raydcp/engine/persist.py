@@ -2,14 +2,19 @@
 
 Protocol (parent = the training process, helper = ``python -m raydcp.engine.persist_worker``):
 
-1. The parent stages pieces into a shared-memory arena (:class:`StagingArena`)
-   and sends a job: the write plan of some files, where each piece sits in the
-   arena, and -- for the last job of a save -- the header to commit.
+1. The parent stages pieces into an arena (:class:`StagingArena`: its own private
+   memory, or shared memory) and sends a job: the write plan of some files, where
+   each piece sits in the arena, and -- for the last job of a save -- the header to
+   commit. For a private arena, ``submit(job, reads_memory=True)`` first names the
+   helper as the process allowed to read the parent's memory
+   (:func:`raydcp.engine.procmem.allow_reader`).
 2. The helper (running at a lower CPU priority, :func:`lower_priority`, so
-   that its checksums and copies do not slow the training steps) attaches to the
-   arena by name, writes the files (fsync), and for the last job writes the
+   that its checksums and copies do not slow the training steps) attaches to a
+   shared arena by name or copies a private one's pieces out a chunk at a time,
+   writes the files (fsync), and for the last job writes the
    metadata last, atomically. It answers with the
-   storage records (or the Metadata, or an error message).
+   storage records (or the Metadata, or an error message). The parent does not
+   touch the arena until the answer to the job's save has come.
 3. A watcher thread in the parent (blocked on the pipe, not on the GIL) resolves
    the job's future; if the helper dies, every pending future fails with a
    CheckpointError and the next save starts a new helper.
@@ -28,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..errors import CheckpointError
+from . import procmem
 
 __all__ = ["HelperPersister", "lower_priority", "PERSIST_NICE_ENV"]
 
@@ -60,6 +66,7 @@ class HelperPersister:
         self._conn: Connection | None = None
         self._pending: dict[int, cf.Future] = {}
         self._ids = itertools.count()
+        self._reader: int | None = None  # the helper pid named by allow_reader
 
     def _ensure(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -81,10 +88,13 @@ class HelperPersister:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def submit(self, job: dict) -> cf.Future:
+    def submit(self, job: dict, *, reads_memory: bool = False) -> cf.Future:
         fut: cf.Future = cf.Future()
         with self._lock:
             self._ensure()
+            if reads_memory and self._reader != self._proc.pid:
+                procmem.allow_reader(self._proc.pid)
+                self._reader = self._proc.pid
             job_id = next(self._ids)
             self._pending[job_id] = fut
             try:

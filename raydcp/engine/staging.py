@@ -4,25 +4,71 @@ save the training loop waits for.
 The arena is kept between saves and grows only when a save needs more, so a steady
 training run allocates staging memory once. On CUDA it is pinned and filled with
 non-blocking copies on a side stream (synchronized before staging returns, so the
-snapshot is complete); on the host the copies are plain memcpys. With
-``shared=True`` it lives in shared memory, so a helper process writes it to
-storage without another copy.
+snapshot is complete); on the host the copies are plain memcpys.
+
+Where the arena lives, for ``async_save`` without a group (:func:`staging_mode`,
+``RAYDCP_STAGING``):
+
+- ``private`` (the default where it works): ordinary private memory of the training
+  process, the kind a plain tensor copy writes to, so staging costs what a memcpy costs.
+  The helper process copies the staged bytes out a chunk at a time with
+  ``process_vm_readv`` (:mod:`raydcp.engine.procmem`), at its lower CPU priority.
+  A probe checks once per process that a child may read this process's memory; where it
+  may not (not Linux, seccomp, ptrace restrictions) async_save stages in shared memory
+  and logs why, once. ``RAYDCP_STAGING=private`` makes such a failure an error instead.
+- ``shm``: POSIX shared memory (``shared=True``), which the helper maps and writes from
+  without another copy, but the kernel may treat shared memory less well than private
+  memory (no transparent huge pages where ``/sys/kernel/mm/transparent_hugepage/
+  shmem_enabled`` is ``never``), so staging into it can be slower than a memcpy.
+
+Either way the arena is never written while the helper reads it: async saves are
+ordered (a save waits for the previous one to finish before it stages).
 """
 from __future__ import annotations
 
+import logging
+import os
 from multiprocessing import shared_memory
 
 import torch
 
+from ..errors import CheckpointError
 from ..planner.save import ALIGN
+from . import procmem
 from .save import StagedState
+
+STAGING_ENV = "RAYDCP_STAGING"
+_MODES = ("shm", "private")
+_probed: list[str | None] = []  # the probe's answer, once per process
+log = logging.getLogger(__name__)
+
+
+def staging_mode() -> str:
+    """``"private"`` or ``"shm"``: where async_save (without a group) stages, from
+    ``RAYDCP_STAGING`` (unset: private where the probe passes, else shm)."""
+    asked = os.environ.get(STAGING_ENV, "").strip().lower()
+    if asked and asked not in _MODES:
+        raise CheckpointError(f"{STAGING_ENV}={asked!r} is not one of {', '.join(_MODES)} (or unset)")
+    if asked == "shm":
+        return "shm"
+    if not _probed:
+        _probed.append(procmem.probe())
+        if _probed[0] is not None and not asked:
+            log.info("async_save stages in shared memory: the helper process cannot read this process's "
+                     "memory (%s)", _probed[0])
+    if _probed[0] is None:
+        return "private"
+    if asked == "private":
+        raise CheckpointError(f"{STAGING_ENV}=private, but the helper process cannot read this process's memory "
+                              f"({_probed[0]}); unset {STAGING_ENV} or set it to shm")
+    return "shm"
 
 
 def _register_pinned(buf: torch.Tensor) -> bool:
     """Page-lock a shared-memory arena so device-to-host copies can run asynchronously."""
     return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0) == 0
 
-__all__ = ["StagingArena"]
+__all__ = ["StagingArena", "staging_mode", "STAGING_ENV"]
 
 
 class StagingArena:
@@ -35,6 +81,11 @@ class StagingArena:
     @property
     def shm_name(self) -> str | None:
         return self.shm.name if self.shm is not None else None
+
+    @property
+    def address(self) -> int:
+        """Where the arena starts in this process's memory (for a reader in another process)."""
+        return self.buffer.data_ptr()
 
     def _reserve(self, nbytes: int, pin: bool, limit: int | None) -> torch.Tensor:
         fits = self.buffer is not None and nbytes <= self.buffer.numel() <= (limit or self.buffer.numel())
