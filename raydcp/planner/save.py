@@ -137,42 +137,62 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
     n = int(counts.sum())
     starts = np.zeros(world + 1, np.int64)
     np.cumsum(counts, out=starts[1:])
+    # (the planning arrays are allocated once and filled in place: fresh memory costs page faults)
     g = np.empty(n, np.int64)
-    off = np.zeros((n, width), np.int64)
-    size = np.ones((n, width), np.int64)
+    off = np.empty((n, width), np.int64)
+    size = np.empty((n, width), np.int64)
     for r, c in enumerate(cols):
         m = maps.get(c.keys_digest)
         if m is None:
-            m = maps[c.keys_digest] = np.array([kid.get(key, -1) for key in c.keys] or [0], np.int64)
+            m = np.array([kid.get(key, -1) for key in c.keys] or [0], np.int64)
             if (m < 0).any():
                 return None  # an item of a tensor no rank describes
+            m = maps[c.keys_digest] = (m, nds[m])
         a, b = starts[r], starts[r + 1]
-        g[a:b] = m[c.key]
+        np.take(m[0], c.key, out=g[a:b])
+        if not np.array_equal(c.ndim, m[1][c.key]):
+            return None
         w = c.offsets.shape[1]
         off[a:b, :w] = c.offsets
         size[a:b, :w] = c.sizes
-    ndim = np.concatenate([c.ndim for c in cols]) if n else np.zeros(0, np.int64)
+        if w < width:
+            off[a:b, w:] = 0
+            size[a:b, w:] = 1
     nbytes = np.concatenate([c.nbytes for c in cols]) if n else np.zeros(0, np.int64)
     crc = np.concatenate([c.checksum for c in cols]) if n else np.zeros(0, np.int64)
-    rank = np.repeat(np.arange(world), counts)
-    local = np.arange(n) - starts[:-1][rank]
-    if (ndim != nds[g]).any() or (size < 0).any():
+    if n and int(size.min()) < 0:
         return None
 
     # bounds: every non-empty piece inside its tensor (a dimension at a time: few, small temporaries)
+    # also, per piece, how many dimensions it spans whole and the first one it does not
     nonempty = np.ones(n, bool)
     inside = np.ones(n, bool)
+    nfull = np.zeros(n, np.int8)
+    not_full = np.full(n, -1, np.int8)  # the first dimension a piece does not span
+    e = np.empty(n, np.int64)
+    t = np.empty(n, np.int64)
+    b1, b2 = np.empty(n, bool), np.empty(n, bool)
     for j in range(width):
-        o, z, e = off[:, j], size[:, j], shape[:, j][g]
-        nonempty &= z > 0
-        inside &= (o >= 0) & (o <= e) & (z <= e) & (o + z <= e)
-    if (nonempty & ~inside).any():
+        o, z = off[:, j], size[:, j]
+        np.take(shape[:, j], g, out=e)
+        nonempty &= np.greater(z, 0, out=b1)
+        inside &= np.greater_equal(o, 0, out=b1)
+        inside &= np.less_equal(z, e, out=b1)
+        inside &= np.less_equal(np.add(o, z, out=t), e, out=b1)  # o <= e follows from o + z <= e, z >= 0
+        np.equal(o, 0, out=b1)
+        b1 &= np.equal(z, e, out=b2)  # spans dimension j
+        nfull += b1
+        np.less(not_full, 0, out=b2)
+        b2 &= ~b1
+        not_full[b2] = j
+    del e, b2
+    if not (inside | ~nonempty).all():
         return None
     del inside
-    count = np.where(nonempty, size[:, 0], 0)
+    count = np.multiply(size[:, 0], nonempty, out=t)
     for j in range(1, width):
         count *= size[:, j]
-    if ((count == 0) != (nbytes == 0)).any():
+    if not np.array_equal(np.equal(count, 0, out=b1), nbytes == 0):
         return None
 
     empty = np.flatnonzero(~nonempty & (crc >= 0))
@@ -183,14 +203,11 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
             if seen.setdefault((t, tuple(o), tuple(s)), c) != c:
                 return None
     # per tensor, the dimension its pieces are split along: a piece spans its tensor in every other one
-    idx = np.flatnonzero(nonempty)
-    gi = g[idx]
-    nfull = np.zeros(len(idx), np.int64)
-    not_full = np.full(len(idx), -1, np.int64)  # the first dimension a piece does not span
-    for j in range(width):
-        f = (off[:, j][idx] == 0) & (size[:, j][idx] == shape[:, j][gi])
-        nfull += f
-        not_full[(not_full < 0) & ~f] = j
+    all_live = bool(nonempty.all())
+    idx = np.arange(n) if all_live else np.flatnonzero(nonempty)
+    gi = g if all_live else g[idx]
+    if not all_live:
+        nfull, not_full = nfull[idx], not_full[idx]
     piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, not_full, -1))
     del nfull, not_full
     dmin = np.full(k, width, np.int64)
@@ -203,11 +220,18 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
 
     # one-dimensional tensors: sort pieces by (tensor, start, length); equal neighbours are replicas
     one = ~general[gi]
-    rows = idx[one]
-    g1 = gi[one]
-    d1 = key_dim[g1]
-    s1 = np.take(off.reshape(-1), rows * width + d1)
-    z1 = np.take(size.reshape(-1), rows * width + d1)
+    all_one = bool(one.all())
+    rows = idx if all_one else idx[one]
+    g1 = gi if all_one else gi[one]
+    dims = np.unique(key_dim[~general])
+    if len(dims) == 1:  # split along the same dimension everywhere (rows, say): columns of the boxes
+        s1, z1 = off[:, dims[0]], size[:, dims[0]]
+        if not (all_one and all_live):
+            s1, z1 = s1[rows], z1[rows]
+    else:
+        at = rows * width + key_dim[g1]
+        s1, z1 = np.take(off.reshape(-1), at), np.take(size.reshape(-1), at)
+        del at
     order = _sort3(g1, s1, z1)
     rows, g1, s1, z1 = rows[order], g1[order], s1[order], z1[order]
     first = np.ones(len(rows), bool)
@@ -231,7 +255,9 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
     # writers: a piece held once is written by its holder; replicas go largest first to the least loaded
     single = heads[sizes_of == 1]
     writers = [rows[single]]
-    load = np.bincount(rank[writers[0]], weights=nbytes[writers[0]], minlength=world).astype(np.int64)
+    is_writer = np.zeros(n, bool)
+    is_writer[writers[0]] = True
+    load = _rank_sums(np.multiply(nbytes, is_writer), starts)
     groups: list[tuple[int, int, int, list[int]]] = []  # (nbytes, tensor, first position, holders)
     multi = np.flatnonzero(sizes_of > 1)
     if len(multi):
@@ -247,13 +273,13 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         for grp in more:
             if len(grp[3]) == 1:
                 writers.append(np.array(grp[3], np.int64))
-                load[rank[grp[3][0]]] += grp[0]
+                load[int(np.searchsorted(starts, grp[3][0], side="right")) - 1] += grp[0]
             else:
                 groups.append(grp)
     if groups:
         groups.sort(key=lambda x: (-x[0], x[1], x[2]))
         lload = load.tolist()
-        rk = rank.tolist()
+        rk = np.repeat(np.arange(world), counts).tolist()
         chosen = []
         for nb, _, _, holders in groups:
             w = min(holders, key=lambda p: (lload[rk[p]], rk[p]))
@@ -261,15 +287,24 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
             chosen.append(w)
         load = np.array(lload, np.int64)
         writers.append(np.array(chosen, np.int64))
-    is_writer = np.zeros(n, bool)
-    is_writer[np.concatenate(writers)] = True
+    for w in writers[1:]:
+        is_writer[w] = True
     written = np.flatnonzero(is_writer)
-    bounds = np.searchsorted(rank[written], np.arange(world + 1))
-    ranks = tuple(RankWritePlan(r, save_id, _pack_columns(save_id, r, local[written[bounds[r]:bounds[r + 1]]],
+    bounds = np.searchsorted(written, starts).tolist()  # the pieces of rank r are starts[r]:starts[r + 1]
+    ranks = tuple(RankWritePlan(r, save_id, _pack_columns(save_id, r, written[bounds[r]:bounds[r + 1]] - starts[r],
                                                           nbytes[written[bounds[r]:bounds[r + 1]]],
                                                           options.max_file_bytes))
                   for r in range(world))
     return GlobalSavePlan(save_id, world, tensors, values, ranks, tuple(load.tolist()))
+
+
+def _rank_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per rank, the sum of ``values`` over its pieces ``starts[r]:starts[r + 1]`` (summed in place)."""
+    np.cumsum(values, out=values)
+    ends = np.zeros(len(starts), np.int64)
+    some = starts > 0
+    ends[some] = values[starts[some] - 1]
+    return np.diff(ends)
 
 
 def _rows_all(m: np.ndarray) -> np.ndarray:
