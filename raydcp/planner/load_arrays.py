@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs
-from .save import _rows_all, _rows_prod, _rows_sum
+from .save import _rows_all, _rows_prod
 from .types import RankLoadPlan, ReadTable, SourceChunk, StoredChunks
 
 # stored chunks from this size on are read part by part by the ranks that need the parts
@@ -174,10 +174,23 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     q_numel = _rows_prod(q_size)
 
     # ---- which chunks each request overlaps
-    c_live = _rows_all(s_size > 0)
-    full = (s_off == 0) & (s_size == _take(ext, s_key))
-    nfull = _rows_sum(full)
-    piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, np.argmin(full, axis=1), -1))
+    # per chunk: live (not empty), how many dimensions it spans whole, the first one it does not
+    # (a dimension at a time, into buffers allocated once: fresh memory costs page faults)
+    c_live = np.ones(nchunks, bool)
+    nfull = np.zeros(nchunks, np.int8)
+    not_full = np.full(nchunks, -1, np.int8)
+    e, b1, b2 = np.empty(nchunks, np.int64), np.empty(nchunks, bool), np.empty(nchunks, bool)
+    for j in range(width):
+        np.take(ext[:, j], s_key, out=e)
+        c_live &= np.greater(s_size[:, j], 0, out=b1)
+        np.equal(s_off[:, j], 0, out=b1)
+        b1 &= np.equal(s_size[:, j], e, out=b2)
+        nfull += b1
+        np.less(not_full, 0, out=b2)
+        b2 &= ~b1
+        not_full[b2] = j
+    del e, b1, b2
+    piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, not_full, -1))
     piece_dim[~c_live] = width
     dmin = np.full(nkeys, width, np.int64)
     dmax = np.full(nkeys, -1, np.int64)
@@ -193,15 +206,18 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     on_line = np.flatnonzero(c_live & ~general[s_key])
     d_of = key_dim[s_key[on_line]]
     line_start = base[s_key[on_line]] + _pick(s_off, on_line, d_of)
+    line_all = len(on_line) == nchunks  # every chunk on the line, in chunk order (so far)
     if len(line_start) and (line_start[1:] < line_start[:-1]).any():  # stored chunks usually come sorted
         order = np.argsort(line_start, kind="stable")
         on_line, line_start = on_line[order], line_start[order]
+        line_all = False
     line_end = line_start + _pick(s_size, on_line, key_dim[s_key[on_line]])
     clash = np.flatnonzero(line_end[:-1] > line_start[1:])
     if len(clash):
         general[s_key[on_line[clash]]] = True
         keep = ~general[s_key[on_line]]
         on_line, line_start, line_end = on_line[keep], line_start[keep], line_end[keep]
+        line_all = False
 
     q_live = known & _rows_all(q_size > 0)
     q_general = np.zeros(nq, bool)
@@ -209,15 +225,38 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     q1 = np.flatnonzero(q_live & ~q_general)
     k1 = q_key[q1]
     d1 = key_dim[k1]
-    q1_off, q1_size = _pick(q_off, q1, d1), _pick(q_size, q1, d1)
-    lo = np.clip(q1_off, 0, span[k1]) + base[k1]
-    hi = np.clip(q1_off + q1_size, 0, span[k1]) + base[k1]
+    all_q1 = len(q1) == nq  # every request on the line: its columns are views, not gathers
+    d0 = int(d1[0]) if len(d1) and d1.min() == d1.max() else None  # the one split dimension, if one
+    if d0 is not None:  # split along the same dimension everywhere (rows, say)
+        q1_off, q1_size = q_off[:, d0], q_size[:, d0]
+        if not all_q1:
+            q1_off, q1_size = q1_off[q1], q1_size[q1]
+    else:
+        q1_off, q1_size = _pick(q_off, q1, d1), _pick(q_size, q1, d1)
+    sk, bk = span[k1], base[k1]
+    lo = np.clip(q1_off, 0, sk)
+    lo += bk
+    hi = np.add(q1_off, q1_size)
+    np.clip(hi, 0, sk, out=hi)
+    hi += bk
+    del sk, bk
     first = np.searchsorted(line_end, lo, side="right")
-    last = np.searchsorted(line_start, hi, side="left")
-    n_c = np.maximum(last - first, 0)
+    del lo
+    n_c = np.searchsorted(line_start, hi, side="left")
+    del hi
+    n_c -= first
+    np.maximum(n_c, 0, out=n_c)
     p_q = np.repeat(q1, n_c)
-    within = np.arange(len(p_q)) - np.repeat(np.cumsum(n_c) - n_c, n_c)
-    p_c = on_line[np.repeat(first, n_c) + within]
+    # pair j of request i is chunk first[i] + j on the line
+    shift = np.cumsum(n_c)
+    shift -= n_c
+    np.subtract(first, shift, out=shift)
+    del first
+    p_c = np.repeat(shift, n_c)
+    del shift
+    p_c += np.arange(len(p_c))
+    if not line_all:
+        p_c = on_line[p_c]
     gen_q = np.flatnonzero(q_live & q_general)
     if len(gen_q):
         gq, gc = _general_pairs(gen_q, q_key, q_off, q_size, s_off, s_size, cstart, c_live)
@@ -228,22 +267,41 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     # the split dimension: keep that (1-D arrays) and build the boxes once, in the output order.
     other_ok = np.ones(len(q1), bool)
     other_full = np.ones(len(q1), bool)
+    ext_e, t = np.empty(len(q1), np.int64), np.empty(len(q1), np.int64)
+    b1, b2, d_is_e = np.empty(len(q1), bool), np.empty(len(q1), bool), np.empty(len(q1), bool)
     for e in range(width):
-        qe_lo, qe_n, ext_e = q_off[:, e][q1], q_size[:, e][q1], ext[:, e][k1]
-        other_ok &= (d1 == e) | ((qe_lo >= 0) & (qe_lo + qe_n <= ext_e))
-        other_full &= (d1 == e) | ((qe_lo == 0) & (qe_n == ext_e))
+        if e == d0:
+            continue  # the split dimension of every request
+        qe_lo, qe_n = (q_off[:, e], q_size[:, e]) if all_q1 else (q_off[:, e][q1], q_size[:, e][q1])
+        np.take(ext[:, e], k1, out=ext_e)
+        np.equal(d1, e, out=d_is_e)
+        np.greater_equal(qe_lo, 0, out=b1)
+        b1 &= np.less_equal(np.add(qe_lo, qe_n, out=t), ext_e, out=b2)
+        b1 |= d_is_e
+        other_ok &= b1
+        np.equal(qe_lo, 0, out=b1)
+        b1 &= np.equal(qe_n, ext_e, out=b2)
+        b1 |= d_is_e
+        other_full &= b1
+    del ext_e, t, b1, b2, d_is_e
     whole = False  # every part is its whole chunk: deliveries then need no boxes of their own
     if not len(gen_q) and other_ok.all():
         p_d = np.repeat(d1, n_c)
-        c_lo = _pick(s_off, p_c, p_d)
-        c_hi = c_lo + _pick(s_size, p_c, p_d)
+        if d0 is not None:
+            c_lo, c_hi = np.take(s_off[:, d0], p_c), np.take(s_size[:, d0], p_c)
+        else:
+            c_lo, c_hi = _pick(s_off, p_c, p_d), _pick(s_size, p_c, p_d)
+        c_hi += c_lo
         q_lo = np.repeat(q1_off, n_c)
-        q_hi = q_lo + np.repeat(q1_size, n_c)
-        lo_d = np.maximum(q_lo, c_lo)
-        sz_d = np.minimum(q_hi, c_hi) - lo_d
+        q_hi = np.repeat(q1_size, n_c)
+        q_hi += q_lo
         whole = bool(other_full.all() and (q_lo <= c_lo).all() and (q_hi >= c_hi).all())
+        lo_d = np.maximum(q_lo, c_lo, out=q_lo)
+        sz_d = np.minimum(q_hi, c_hi, out=q_hi)
+        sz_d -= lo_d
         del c_lo, c_hi, q_lo, q_hi
-        p_numel = np.repeat(q_numel[q1] // q1_size, n_c) * sz_d
+        p_numel = np.repeat(q_numel[q1] // q1_size, n_c)
+        p_numel *= sz_d
 
         def boxes(sel):
             rows = p_q if sel is None else p_q[sel]
@@ -290,8 +348,12 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
                 live_chunk[c] = True
                 holders_of[c] = t[c - cstart[k]].holders
         special |= live_chunk[p_c]
-    single = np.flatnonzero(~special)
-    load = np.bincount(p_rank[single], weights=p_bytes[single], minlength=world).astype(np.int64)
+    all_single = not special.any()  # the common case: no gathers of the pairs below
+    single = None if all_single else np.flatnonzero(~special)
+    needed = np.bincount(p_rank, weights=p_bytes, minlength=world).astype(np.int64) if npairs else \
+        np.zeros(world, np.int64)
+    load = needed.copy() if all_single else \
+        np.bincount(p_rank[single], weights=p_bytes[single], minlength=world).astype(np.int64)
     incoming = np.zeros(world, np.int64)
     sp = np.flatnonzero(special)
     sp = sp[np.argsort(p_c[sp], kind="stable")]
@@ -344,14 +406,15 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         sp_pair_reader = np.repeat(sp_reader, sp_count)
         np.add.at(incoming, p_rank[sp][p_rank[sp] != sp_pair_reader], 1)
     bytes_read = load
-    needed = np.bincount(p_rank, weights=p_bytes, minlength=world).astype(np.int64) if npairs else \
-        np.zeros(world, np.int64)
 
     # ---- each rank's reads: the chunks only it needs (in the order of its requests), then the
     # special ones it reads (in chunk order); placed by counting, without sorting all the pairs
-    sr = p_rank[single]
-    in_order = not len(sp) and not (len(sr) and (sr[1:] < sr[:-1]).any())
-    if len(sr) and (sr[1:] < sr[:-1]).any():
+    sr = p_rank if all_single else p_rank[single]
+    unsorted = bool(len(sr)) and bool((sr[1:] < sr[:-1]).any())
+    in_order = not len(sp) and not unsorted
+    if not in_order and single is None:
+        single = np.arange(npairs)
+    if unsorted:
         single = single[np.argsort(sr, kind="stable")]
         sr = p_rank[single]
     n_single = np.bincount(sr, minlength=world) if len(sr) else np.zeros(world, np.int64)
