@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs
-from .save import _rows_all, _rows_prod
+from .save import _dim_range, _rows_all, _rows_prod
 from .types import RankLoadPlan, ReadTable, SourceChunk, StoredChunks
 
 # stored chunks from this size on are read part by part by the ranks that need the parts
@@ -192,11 +192,7 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     del e, b1, b2
     piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, not_full, -1))
     piece_dim[~c_live] = width
-    dmin = np.full(nkeys, width, np.int64)
-    dmax = np.full(nkeys, -1, np.int64)
-    split = piece_dim < width
-    np.minimum.at(dmin, s_key[split], piece_dim[split])
-    np.maximum.at(dmax, s_key[split], piece_dim[split])
+    dmin, dmax = _dim_range(s_key, piece_dim, nkeys, width)
     general = (dmin < 0) | ((dmax >= 0) & (dmax != dmin))
     key_dim = np.where(dmin >= width, 0, np.maximum(dmin, 0))
     span = ext[np.arange(nkeys), key_dim]

@@ -210,11 +210,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         nfull, not_full = nfull[idx], not_full[idx]
     piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, not_full, -1))
     del nfull, not_full
-    dmin = np.full(k, width, np.int64)
-    dmax = np.full(k, -1, np.int64)
-    split = piece_dim < width
-    np.minimum.at(dmin, gi[split], piece_dim[split])
-    np.maximum.at(dmax, gi[split], piece_dim[split])
+    dmin, dmax = _dim_range(gi, piece_dim, k, width)
     general = (dmin < 0) | ((dmax >= 0) & (dmax != dmin))
     key_dim = np.where(dmin >= width, 0, np.maximum(dmin, 0))
 
@@ -296,6 +292,22 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
                                                           options.max_file_bytes))
                   for r in range(world))
     return GlobalSavePlan(save_id, world, tensors, values, ranks, tuple(load.tolist()))
+
+
+def _dim_range(key: np.ndarray, piece_dim: np.ndarray, k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key (0 .. k-1), the least and the greatest ``piece_dim`` below ``width`` of its pieces
+    (``width`` and -1 where none). ``piece_dim`` takes few values (-1 .. width): one count of the
+    (key, value) pairs does it, where ``np.minimum.at`` would take ten times as long."""
+    m = width + 2
+    code = key * m
+    code += piece_dim
+    code += 1
+    seen = (np.bincount(code, minlength=k * m) > 0).reshape(k, m)[:, :m - 1]  # value ``width``: not split
+    some = seen.any(axis=1)
+    values = np.arange(-1, width, dtype=np.int64)
+    dmin = np.where(some, values[np.argmax(seen, axis=1)], width)
+    dmax = np.where(some, values[m - 2 - np.argmax(seen[:, ::-1], axis=1)], -1)
+    return dmin, dmax
 
 
 def _rank_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
