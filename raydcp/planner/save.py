@@ -341,14 +341,25 @@ def _rows_sum(m: np.ndarray) -> np.ndarray:
 
 
 def _sort3(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Stable order by (a, b, c) of non-negative integer arrays: one sort of a packed key where it fits."""
-    if not len(a):
+    """Stable order by (a, b, c) of non-negative integer arrays."""
+    return _order([a, b, c])
+
+
+def _order(cols: list[np.ndarray]) -> np.ndarray:
+    """Stable order by ``cols`` (the first the most significant) of integer arrays: one sort of a
+    packed key where they are non-negative and fit in 63 bits together, ``np.lexsort`` otherwise.
+    Pieces arrive rank after rank, each rank's in order, so the packed key is a few sorted runs
+    for the stable sort to merge."""
+    if not len(cols[0]):
         return np.zeros(0, np.int64)
-    bits = [max(1, int(x.max()).bit_length()) for x in (a, b, c)]
-    if sum(bits) <= 63:
-        packed = (a << (bits[1] + bits[2])) | (b << bits[2]) | c
+    bits = [max(1, int(x.max()).bit_length()) for x in cols]
+    if sum(bits) <= 63 and all(int(x.min()) >= 0 for x in cols):
+        packed = cols[0].astype(np.int64)
+        for x, nb in zip(cols[1:], bits[1:]):
+            packed <<= nb
+            packed |= x
         return np.argsort(packed, kind="stable")
-    return np.lexsort((c, b, a))
+    return np.lexsort(cols[::-1])
 
 
 def _general_groups(keys, tensors, gen_keys, pieces, g, off, size, crc, nbytes, nds):
@@ -542,7 +553,7 @@ def chunk_tables(gp: GlobalSavePlan, local_plans: Sequence[LocalSavePlan],
     size = cat["size"].reshape(n, width) if n else np.zeros((0, width), np.int64)
     if block_checksums is None and n and (cat["nbytes"] > BLOCK_BYTES).any():
         raise ValueError(f"pieces larger than {BLOCK_BYTES} bytes need their block checksums")
-    order = np.lexsort([off[:, d] for d in range(width - 1, -1, -1)] + [cat["key"]])
+    order = _order([cat["key"], *(off[:, d] for d in range(width))])
     bounds = np.zeros(n + 1, np.int64)
     np.cumsum(cat["blen"], out=bounds[1:])
     bval = cat["bval"].astype(np.uint32) if len(cat["bval"]) else np.zeros(0, np.uint32)
