@@ -71,6 +71,13 @@ def check_pieces(state: dict, full: dict, layout: str, rank: int, world: int) ->
     return problems
 
 
+def assert_holds(ray, group, full: dict, layout: str) -> None:
+    """Every rank of ShardGroup ``group`` holds exactly its piece of ``full`` in ``layout``."""
+    problems = ray.get([group.apply_remote(r, check_pieces, full, layout, r, group.world_size)
+                        for r in range(group.world_size)])
+    assert problems == [[]] * group.world_size
+
+
 def piece_ptrs(state: dict) -> dict:
     return {k: (v.tensor if isinstance(v, Shard) else v).data_ptr() for k, v in state.items() if isinstance(v, (Shard, torch.Tensor))}
 
