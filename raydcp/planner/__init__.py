@@ -1,7 +1,8 @@
 """Pure planning: no Ray, no I/O. See :mod:`raydcp.planner.types` for the protocol."""
 from .boxes import byte_runs, intersect, merge_runs, numel
 from .load import check_requests, plan_load, stored_sources
-from .save import SavePlanOptions, chunk_tables, plan_save
+from .save import SavePlanOptions, plan_save
+from .tables import chunk_tables
 from .types import *  # noqa: F401,F403
 from .types import __all__ as _types_all
 

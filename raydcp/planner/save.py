@@ -8,11 +8,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from ..metadata import BLOCK_BYTES, ChunkColumns, ChunkTable
+from .arrays import _dim_range, _order, _rank_sums
 from .boxes import numel
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
 
-__all__ = ["SavePlanOptions", "plan_save", "chunk_tables"]
+__all__ = ["SavePlanOptions", "plan_save"]
 
 ALIGN = 64  # every piece starts at a multiple of this in its file (mmap- and SIMD-friendly)
 
@@ -228,7 +228,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         at = rows * width + key_dim[g1]
         s1, z1 = np.take(off.reshape(-1), at), np.take(size.reshape(-1), at)
         del at
-    order = _sort3(g1, s1, z1)
+    order = _order([g1, s1, z1])
     rows, g1, s1, z1 = rows[order], g1[order], s1[order], z1[order]
     first = np.ones(len(rows), bool)
     first[1:] = (g1[1:] != g1[:-1]) | (s1[1:] != s1[:-1]) | (z1[1:] != z1[:-1])
@@ -292,74 +292,6 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
                                                           options.max_file_bytes))
                   for r in range(world))
     return GlobalSavePlan(save_id, world, tensors, values, ranks, tuple(load.tolist()))
-
-
-def _dim_range(key: np.ndarray, piece_dim: np.ndarray, k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per key (0 .. k-1), the least and the greatest ``piece_dim`` below ``width`` of its pieces
-    (``width`` and -1 where none). ``piece_dim`` takes few values (-1 .. width): one count of the
-    (key, value) pairs does it, where ``np.minimum.at`` would take ten times as long."""
-    m = width + 2
-    code = key * m
-    code += piece_dim
-    code += 1
-    seen = (np.bincount(code, minlength=k * m) > 0).reshape(k, m)[:, :m - 1]  # value ``width``: not split
-    some = seen.any(axis=1)
-    values = np.arange(-1, width, dtype=np.int64)
-    dmin = np.where(some, values[np.argmax(seen, axis=1)], width)
-    dmax = np.where(some, values[m - 2 - np.argmax(seen[:, ::-1], axis=1)], -1)
-    return dmin, dmax
-
-
-def _rank_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Per rank, the sum of ``values`` over its pieces ``starts[r]:starts[r + 1]`` (summed in place)."""
-    np.cumsum(values, out=values)
-    ends = np.zeros(len(starts), np.int64)
-    some = starts > 0
-    ends[some] = values[starts[some] - 1]
-    return np.diff(ends)
-
-
-def _rows_all(m: np.ndarray) -> np.ndarray:
-    out = m[:, 0].copy()
-    for j in range(1, m.shape[1]):
-        out &= m[:, j]
-    return out
-
-
-def _rows_prod(m: np.ndarray) -> np.ndarray:
-    out = m[:, 0].copy()
-    for j in range(1, m.shape[1]):
-        out *= m[:, j]
-    return out
-
-
-def _rows_sum(m: np.ndarray) -> np.ndarray:
-    out = m[:, 0].astype(np.int64)
-    for j in range(1, m.shape[1]):
-        out += m[:, j]
-    return out
-
-
-def _sort3(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Stable order by (a, b, c) of non-negative integer arrays."""
-    return _order([a, b, c])
-
-
-def _order(cols: list[np.ndarray]) -> np.ndarray:
-    """Stable order by ``cols`` (the first the most significant) of integer arrays: one sort of a
-    packed key where they are non-negative and fit in 63 bits together, ``np.lexsort`` otherwise.
-    Pieces arrive rank after rank, each rank's in order, so the packed key is a few sorted runs
-    for the stable sort to merge."""
-    if not len(cols[0]):
-        return np.zeros(0, np.int64)
-    bits = [max(1, int(x.max()).bit_length()) for x in cols]
-    if sum(bits) <= 63 and all(int(x.min()) >= 0 for x in cols):
-        packed = cols[0].astype(np.int64)
-        for x, nb in zip(cols[1:], bits[1:]):
-            packed <<= nb
-            packed |= x
-        return np.argsort(packed, kind="stable")
-    return np.lexsort(cols[::-1])
 
 
 def _general_groups(keys, tensors, gen_keys, pieces, g, off, size, crc, nbytes, nds):
@@ -495,77 +427,3 @@ def _pack_files(save_id: str, rank: int, lp: LocalSavePlan, items: list[int], ma
         pos += -(-nbytes // ALIGN) * ALIGN
     flush()
     return tuple(files)
-
-
-def chunk_tables(gp: GlobalSavePlan, local_plans: Sequence[LocalSavePlan],
-                 checksums: Sequence[np.ndarray] | None = None,
-                 block_checksums: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> dict[str, ChunkTable]:
-    """The chunk table of every tensor once each rank has written its part of ``gp``, built from
-    the plans' columns: what the commit step records, with no object per piece.
-
-    ``checksums[r]`` holds the CRC32C of rank r's slots in the order of its ``files`` (zeros
-    when None); ``block_checksums[r]`` is ``(values, bounds)`` for them, in the same order
-    (needed only where a piece is larger than one checksum block). Chunks are sorted by offsets.
-    The tables are views of one :class:`~raydcp.metadata.ChunkColumns`, which the metadata
-    encoder then writes whole.
-    """
-    keys = list(gp.tensors)
-    kid = {key: i for i, key in enumerate(keys)}
-    files: list[str] = []
-    parts: dict[str, list] = {n: [] for n in ("key", "off", "size", "file", "boff", "nbytes", "crc", "blen", "bval")}
-    maps: dict[bytes, np.ndarray] = {}
-    width = max([1, *(len(s.shape) for s in gp.tensors.values())])
-    for rp in gp.ranks:
-        cols = local_plans[rp.rank].columns
-        ft = rp.files
-        if not isinstance(ft, FileTable):
-            names = [name for name, _ in ft]
-            ft = FileTable(names, np.array([s.item for _, slots in ft for s in slots], np.int64),
-                           np.array([s.byte_offset for _, slots in ft for s in slots], np.int64),
-                           np.cumsum([0] + [len(slots) for _, slots in ft]).tolist())
-        items = ft.items
-        n = len(items)
-        m = maps.get(cols.keys_digest)
-        if m is None:
-            m = maps[cols.keys_digest] = np.array([kid[key] for key in cols.keys] or [0], np.int64)
-        w = min(width, cols.offsets.shape[1])
-        off = np.zeros((n, width), np.int64)
-        size = np.ones((n, width), np.int64)
-        off[:, :w] = cols.offsets[items, :w]
-        size[:, :w] = cols.sizes[items, :w]
-        parts["key"].append(m[cols.key[items]])
-        parts["off"].append(off)
-        parts["size"].append(size)
-        parts["file"].append(len(files) + np.repeat(np.arange(len(ft.names)), np.diff(ft.bounds)))
-        files.extend(ft.names)
-        parts["boff"].append(ft.byte_offsets)
-        parts["nbytes"].append(cols.nbytes[items])
-        parts["crc"].append(np.zeros(n, np.int64) if checksums is None else np.asarray(checksums[rp.rank], np.int64))
-        if block_checksums is None:
-            parts["blen"].append(np.zeros(n, np.int64))
-        else:
-            values, bounds = block_checksums[rp.rank]
-            parts["blen"].append(np.diff(np.asarray(bounds, np.int64)))
-            parts["bval"].append(np.asarray(values, np.uint32))
-    cat = {name: np.concatenate(p) if p else np.zeros(0, np.int64) for name, p in parts.items()}
-    n = len(cat["key"])
-    off = cat["off"].reshape(n, width) if n else np.zeros((0, width), np.int64)
-    size = cat["size"].reshape(n, width) if n else np.zeros((0, width), np.int64)
-    if block_checksums is None and n and (cat["nbytes"] > BLOCK_BYTES).any():
-        raise ValueError(f"pieces larger than {BLOCK_BYTES} bytes need their block checksums")
-    order = _order([cat["key"], *(off[:, d] for d in range(width))])
-    bounds = np.zeros(n + 1, np.int64)
-    np.cumsum(cat["blen"], out=bounds[1:])
-    bval = cat["bval"].astype(np.uint32) if len(cat["bval"]) else np.zeros(0, np.uint32)
-    blen = cat["blen"][order]
-    if len(bval):
-        bval = bval[np.repeat(bounds[:-1][order] - (np.cumsum(blen) - blen), blen) + np.arange(int(blen.sum()))]
-    bounds = np.zeros(n + 1, np.int64)
-    np.cumsum(blen, out=bounds[1:])
-    key = cat["key"][order]
-    off, size = np.take(off, order, axis=0), np.take(size, order, axis=0)
-    file, boff, nbytes, crc = (cat[name][order] for name in ("file", "boff", "nbytes", "crc"))
-    rows = np.searchsorted(key, np.arange(len(keys) + 1))
-    ndim = np.fromiter((len(s.shape) for s in gp.tensors.values()), np.int64, len(keys))
-    cols = ChunkColumns(rows, ndim, off, size, files, file, boff, nbytes, crc, bval, bounds)
-    return dict(zip(keys, cols.tables()))

@@ -1,0 +1,70 @@
+"""Array helpers shared by the save and load planners (numpy only; every one linear, or a sort)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _dim_range(key: np.ndarray, piece_dim: np.ndarray, k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key (0 .. k-1), the least and the greatest ``piece_dim`` below ``width`` of its pieces
+    (``width`` and -1 where none). ``piece_dim`` takes few values (-1 .. width): one count of the
+    (key, value) pairs does it, where ``np.minimum.at`` would take ten times as long."""
+    m = width + 2
+    code = key * m
+    code += piece_dim
+    code += 1
+    seen = (np.bincount(code, minlength=k * m) > 0).reshape(k, m)[:, :m - 1]  # value ``width``: not split
+    some = seen.any(axis=1)
+    values = np.arange(-1, width, dtype=np.int64)
+    dmin = np.where(some, values[np.argmax(seen, axis=1)], width)
+    dmax = np.where(some, values[m - 2 - np.argmax(seen[:, ::-1], axis=1)], -1)
+    return dmin, dmax
+
+
+def _rank_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per rank, the sum of ``values`` over its pieces ``starts[r]:starts[r + 1]`` (summed in place)."""
+    np.cumsum(values, out=values)
+    ends = np.zeros(len(starts), np.int64)
+    some = starts > 0
+    ends[some] = values[starts[some] - 1]
+    return np.diff(ends)
+
+
+def _rows_all(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].copy()
+    for j in range(1, m.shape[1]):
+        out &= m[:, j]
+    return out
+
+
+def _rows_prod(m: np.ndarray) -> np.ndarray:
+    out = m[:, 0].copy()
+    for j in range(1, m.shape[1]):
+        out *= m[:, j]
+    return out
+
+
+def _order(cols: list[np.ndarray]) -> np.ndarray:
+    """Stable order by ``cols`` (the first the most significant) of integer arrays: one sort of a
+    packed key where they are non-negative and fit in 63 bits together, ``np.lexsort`` otherwise.
+    Pieces arrive rank after rank, each rank's in order, so the packed key is a few sorted runs
+    for the stable sort to merge."""
+    if not len(cols[0]):
+        return np.zeros(0, np.int64)
+    bits = [max(1, int(x.max()).bit_length()) for x in cols]
+    if sum(bits) <= 63 and all(int(x.min()) >= 0 for x in cols):
+        packed = cols[0].astype(np.int64)
+        for x, nb in zip(cols[1:], bits[1:]):
+            packed <<= nb
+            packed |= x
+        return np.argsort(packed, kind="stable")
+    return np.lexsort(cols[::-1])
+
+
+def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``a[rows]`` for a 2-D array (np.take copies whole rows, many times faster than fancy indexing)."""
+    return np.take(a, rows, axis=0)
+
+
+def _pick(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``a[rows, cols]`` of a C-contiguous 2-D array, through its flat view."""
+    return np.take(a.reshape(-1), rows * a.shape[1] + cols)
