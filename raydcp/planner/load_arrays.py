@@ -208,10 +208,13 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     np.clip(hi, 0, sk, out=hi)
     hi += bk
     del sk, bk
-    first = np.searchsorted(line_end, lo, side="right")
-    del lo
-    n_c = np.searchsorted(line_start, hi, side="left")
-    del hi
+    if nkeys and int(base[-1] + span[-1]) < 1 << 31:  # the binary searches on half the memory
+        first = np.searchsorted(line_end.astype(np.int32), lo.astype(np.int32), side="right")
+        n_c = np.searchsorted(line_start.astype(np.int32), hi.astype(np.int32), side="left")
+    else:
+        first = np.searchsorted(line_end, lo, side="right")
+        n_c = np.searchsorted(line_start, hi, side="left")
+    del lo, hi
     n_c -= first
     np.maximum(n_c, 0, out=n_c)
     p_q = np.repeat(q1, n_c)
