@@ -229,19 +229,23 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         s1, z1 = np.take(off.reshape(-1), at), np.take(size.reshape(-1), at)
         del at
     order = _order([g1, s1, z1])
-    rows, g1, s1, z1 = rows[order], g1[order], s1[order], z1[order]
+    rows = order if all_one and all_live else rows[order]
+    g1, s1, z1 = g1[order], s1[order], z1[order]
+    del order
     first = np.ones(len(rows), bool)
     first[1:] = (g1[1:] != g1[:-1]) | (s1[1:] != s1[:-1]) | (z1[1:] != z1[:-1])
     heads = np.flatnonzero(first)
-    ug, us, uz = g1[heads], s1[heads], z1[heads]
+    unique = len(heads) == len(rows)  # no replicas (the usual case): each piece is its own group
+    ug, us, uz = (g1, s1, z1) if unique else (g1[heads], s1[heads], z1[heads])
     if ((ug[1:] == ug[:-1]) & (us[1:] < us[:-1] + uz[:-1])).any():
         return None  # overlap
-    covered = np.bincount(ug, weights=count[rows[heads]], minlength=k).astype(np.int64) if len(ug) else \
-        np.zeros(k, np.int64)  # exact: a tensor has fewer than 2**53 elements
+    covered = np.bincount(ug, weights=count[rows if unique else rows[heads]], minlength=k).astype(np.int64) \
+        if len(ug) else np.zeros(k, np.int64)  # exact: a tensor has fewer than 2**53 elements
     if (covered[~general] != spec_numel[~general]).any():
         return None  # a gap
+    del ug, us, uz
     sizes_of = np.diff(np.append(heads, len(rows)))
-    if (crc[rows] >= 0).any() and (sizes_of > 1).any():
+    if not unique and (crc[rows] >= 0).any():
         c = crc[rows]
         lo = np.minimum.reduceat(np.where(c >= 0, c, 1 << 40), heads)
         hi = np.maximum.reduceat(c, heads)
@@ -249,8 +253,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
             return None  # diverged replicas
 
     # writers: a piece held once is written by its holder; replicas go largest first to the least loaded
-    single = heads[sizes_of == 1]
-    writers = [rows[single]]
+    writers = [rows if unique else rows[heads[sizes_of == 1]]]
     is_writer = np.zeros(n, bool)
     is_writer[writers[0]] = True
     load = _rank_sums(np.multiply(nbytes, is_writer), starts)
