@@ -28,6 +28,8 @@ class Group:
     world_size: int
     timeout_s: float = 600.0
     _ops: list = field(default_factory=lambda: [0], init=False, repr=False, compare=False)
+    # The name of a coordinator host shared with other groups (see ``hosted_by``); None: its own.
+    _host: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __init__(self, name: str, rank: int, world_size: int, *, timeout_s: float = 600.0):
         object.__setattr__(self, "name", name)
@@ -35,6 +37,7 @@ class Group:
         object.__setattr__(self, "world_size", world_size)
         object.__setattr__(self, "timeout_s", timeout_s)
         object.__setattr__(self, "_ops", [0])
+        object.__setattr__(self, "_host", None)
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -54,6 +57,13 @@ class Group:
         op = self._ops[0]
         self._ops[0] += 1
         return op
+
+    def hosted_by(self, host: str) -> "Group":
+        """Run this group's operations in the coordinator host of ``host`` (a long-lived group name),
+        rather than in one of its own: a ShardGroup runs each operation under a fresh group name and
+        all of them in one host, started once. Returns self."""
+        object.__setattr__(self, "_host", host)
+        return self
 
     def open_transport(self):
         """The transport for this group's next operation (imports the Ray runtime lazily)."""

@@ -33,17 +33,18 @@ def coordinator_name(group_name: str) -> str:
 class _HostedCoordinator(Coordinator):
     """A Coordinator whose end drops it from its host instead of ending an actor."""
 
-    def __init__(self, host: "CoordinatorHost", *args):
+    def __init__(self, host: "CoordinatorHost", key, *args):
         super().__init__(*args)
         self._host = host
+        self._key = key  # its key in the host: the operation number, or (group name, number)
 
     def _schedule_exit(self, delay_s: float) -> None:
         if self._failed is not None:
-            self._host.remember_failure(self.op, self._failed, self.timeout_s)
+            self._host.remember_failure(self._key, self._failed, self.timeout_s)
         if self._finished:
-            self._host.drop(self.op, self)
+            self._host.drop(self._key, self)
         else:
-            asyncio.get_running_loop().call_later(delay_s, self._host.drop, self.op, self)
+            asyncio.get_running_loop().call_later(delay_s, self._host.drop, self._key, self)
 
 
 class CoordinatorHost:
@@ -64,11 +65,17 @@ class CoordinatorHost:
         self.failed: dict[int, tuple[str, float]] = {}
         self._memo: tuple | None = None  # (operation, last reply object, its Wire), until the operation ends
 
-    def _get(self, op: int, world_size: int, timeout_s: float) -> Coordinator:
+    def _get(self, op, world_size: int, timeout_s: float) -> Coordinator:
         coord = self.ops.get(op)
         if coord is None:
-            coord = self.ops[op] = _HostedCoordinator(self, self.group_name, op, world_size, timeout_s, self.creator_rank)
+            name, number = self._named(op)
+            coord = self.ops[op] = _HostedCoordinator(self, op, name, number, world_size, timeout_s, self.creator_rank)
         return coord
+
+    def _named(self, op) -> tuple[str, int]:
+        """``(group name, operation number)`` of an operation key: a number of this host's own group,
+        or ``(name, number)`` of a group hosted here (``Group.hosted_by``)."""
+        return op if isinstance(op, tuple) else (self.group_name, op)
 
     def _ended(self, op: int, rank: int, step: str):
         entry = self.failed.get(op)
@@ -78,8 +85,9 @@ class CoordinatorHost:
         if time.monotonic() > until:
             del self.failed[op]
             return None
+        name, number = self._named(op)
         return self.creator_rank, CheckpointError(
-            f"{step}: the coordinator of group '{self.group_name}' (operation {op}) is gone: the other ranks "
+            f"{step}: the coordinator of group '{name}' (operation {number}) is gone: the other ranks "
             f"already ended the operation (it failed while rank {rank} was late: {msg.splitlines()[0]})")
 
     async def reduce_scatter(self, op, timeout_s, rank, world_size, seq, step, local, reduce_fn):
@@ -122,7 +130,7 @@ class CoordinatorHost:
     async def status(self, op: int | None = None):
         """The host's open operations, or one operation's status (None once it ended)."""
         if op is None:
-            return {"group": self.group_name, "creator_rank": self.creator_rank, "ops": sorted(self.ops)}
+            return {"group": self.group_name, "creator_rank": self.creator_rank, "ops": sorted(self.ops, key=str)}
         coord = self.ops.get(op)
         if coord is not None:
             return await coord.status()

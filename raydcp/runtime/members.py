@@ -13,9 +13,34 @@ from ray import exceptions as rex
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ..errors import CheckpointError
+from . import actors
 from .actors import start_shard_actor
 
-__all__ = ["Member", "start_members"]
+__all__ = ["Host", "Member", "start_members"]
+
+
+class Host:
+    """The coordinator host actor that runs the operations of ShardGroups, and the groups using it.
+
+    Started in the background by the first group; a group made by ``reshard`` shares
+    its source group's host (no actor start in the reshard); it ends with the last
+    group using it.
+    """
+
+    def __init__(self, name: str, world_size: int):
+        self.name = name
+        self.groups: set[str] = set()
+        actors.prepare_coordinator(name, world_size, 0)
+
+    def join(self, group_name: str) -> "Host":
+        self.groups.add(group_name)
+        return self
+
+    def leave(self, group_name: str) -> None:
+        if group_name in self.groups:
+            self.groups.discard(group_name)
+            if not self.groups:
+                actors.end_group(self.name)
 
 
 class _Placement:

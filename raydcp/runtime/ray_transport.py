@@ -87,7 +87,9 @@ class RayTransport(Transport):
 
     def __init__(self, group, op: int):
         self.group = group
-        self.op = op
+        # A group hosted by another group's host is told apart there by its name.
+        self._host_name = group._host or group.name
+        self.op = op if group._host is None else (group.name, op)
         self.rank = group.rank
         self.world_size = group.world_size
         self._timeout_s = float(group.timeout_s)
@@ -97,12 +99,16 @@ class RayTransport(Transport):
         self._creator: int | None = None
         self._coord = None
         if self.world_size > 1:
-            _check_last_close(group.name)
-            self._coord = actors.get_or_create_coordinator(group.name, self.world_size, self.rank)
+            _check_last_close(self._host_name)
+            self._coord = actors.get_or_create_coordinator(self._host_name, self.world_size, self.rank)
 
     @property
     def coordinator_name(self) -> str:
-        return actors.coordinator_name(self.group.name)
+        return actors.coordinator_name(self._host_name)
+
+    @property
+    def _op_number(self) -> int:
+        return self.op[1] if isinstance(self.op, tuple) else self.op
 
     # -- control plane --------------------------------------------------------
     def reduce_scatter(self, step, local, reduce_fn):
@@ -193,14 +199,15 @@ class RayTransport(Transport):
         coord, self._coord = self._coord, None
         try:
             # no wait for the answer (a round trip per operation): the next operation of the group checks it
-            _LAST_CLOSE[self.group.name] = coord.close.remote(self.op, self.rank)
+            _LAST_CLOSE[self._host_name] = coord.close.remote(self.op, self.rank)
         except Exception:  # unreachable: nothing to release
             pass
 
     # -- helpers ----------------------------------------------------------------
     def _check_open(self, step):
         if self._closed:
-            raise CheckpointError(f"{step}: the transport of group '{self.group.name}' operation {self.op} is closed")
+            raise CheckpointError(
+                f"{step}: the transport of group '{self.group.name}' operation {self._op_number} is closed")
 
     def _call(self, step: str, method: str, value, *args):
         """One call to the coordinator: returns the rank's value (possibly a CheckpointError)."""
@@ -225,13 +232,13 @@ class RayTransport(Transport):
                 f"{self._timeout_s + _REPLY_GRACE_S:g}s; is the Ray cluster overloaded?"
             )
         except rex.RayActorError as exc:
-            actors.forget_coordinator(self.group.name)
+            actors.forget_coordinator(self._host_name)
             return self._coordinator_died(step, exc)
         except rex.RayTaskError as exc:
             return CheckpointError(f"{step}: the coordinator {self.coordinator_name!r} failed: {exc}")
 
     def _coordinator_died(self, step: str, exc: BaseException) -> CheckpointError:
-        where = f"group '{self.group.name}' (operation {self.op})"
+        where = f"group '{self.group.name}' (operation {self._op_number})"
         cause = str(exc)
         if "killed by `ray.kill`" in cause or "killed by ray.kill" in cause:
             # The other ranks closed the operation without this rank: it failed while this rank was late.

@@ -2,9 +2,11 @@
 
 A plain class (``raydcp.runtime.actors`` makes it a Ray actor). Every collective
 method takes the name of the ShardGroup whose state it works on (its *slot*) and a
-``group`` spec ``(name, rank, world_size, timeout_s)`` from the driver -- a fresh name per operation, so a failed operation never leaves the
-next one out of step -- and returns its result, or the ``CheckpointError`` it
-raised (as a value: the driver gathers every rank's outcome and raises once).
+``group`` spec ``(name, rank, world_size, timeout_s, host)`` from the driver -- a
+fresh name per operation, so a failed operation never leaves the next one out of
+step, run in the ShardGroup's one coordinator host -- and returns its result, or
+the ``CheckpointError`` it raised (as a value: the driver gathers every rank's
+outcome and raises once).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from .layouts import Specs, empty_state
 
 __all__ = ["ShardActor"]
 
-GroupSpec = tuple[str, int, int, float]
+# (operation's group name, rank, world size, timeout_s[, the coordinator host's group name])
+GroupSpec = tuple
 
 
 class ShardActor:
@@ -47,9 +50,9 @@ class ShardActor:
              storage_options: dict | None):
         """Load into group ``slot``'s state in place, or (``fresh=(specs, value_keys, layout)``) into new pieces."""
         def run():
-            _, rank, world_size, _ = group
+            rank, world_size = group[1], group[2]
             state = self._empty(*fresh, rank, world_size) if fresh is not None else self._state(slot)
-            _load(state, checkpoint_id, group=self._group(*group), strict=strict, storage_options=storage_options)
+            _load(state, checkpoint_id, group=self._op_group(group), strict=strict, storage_options=storage_options)
             self._keep(slot, state)
             return None
 
@@ -58,7 +61,7 @@ class ShardActor:
     def save(self, slot: str, group: GroupSpec, checkpoint_id: str, storage_options: dict | None):
         """Save group ``slot``'s state; rank 0 returns the Metadata (the others None, to ship it once)."""
         def run():
-            md = _save(self._state(slot), checkpoint_id, group=self._group(*group), storage_options=storage_options)
+            md = _save(self._state(slot), checkpoint_id, group=self._op_group(group), storage_options=storage_options)
             return md if group[1] == 0 else None
 
         return self._outcome(run)
@@ -66,7 +69,7 @@ class ShardActor:
     def send(self, slot: str, group: GroupSpec):
         """Serve group ``slot``'s pieces to a transfer (in-memory reshard) as a source rank."""
         def run():
-            _transfer(self._state(slot), None, group=self._group(*group))
+            _transfer(self._state(slot), None, group=self._op_group(group))
             return None
 
         return self._outcome(run)
@@ -77,7 +80,7 @@ class ShardActor:
         with ``source``, this actor also serves that group's pieces to the same transfer."""
         def run():
             state = self._empty(specs, value_keys, layout, rank, world_size)
-            _transfer(self._state(source) if source is not None else None, state, group=self._group(*group))
+            _transfer(self._state(source) if source is not None else None, state, group=self._op_group(group))
             self._keep(slot, state)
             return None
 
@@ -137,6 +140,11 @@ class ShardActor:
 
     def _empty(self, specs: Specs, value_keys: Iterable[str], layout: str, rank: int, world_size: int) -> dict:
         return empty_state(specs, value_keys, layout, rank, world_size, self.device)
+
+    def _op_group(self, group: GroupSpec) -> Group:
+        """The Group of the operation ``group`` describes, in the ShardGroup's coordinator host if it names one."""
+        g = self._group(*group[:4])
+        return g.hosted_by(group[4]) if len(group) > 4 and group[4] else g
 
     def _group(self, name: str, rank: int, world_size: int, timeout_s: float) -> Group:
         """The Group of one operation (subclasses may wrap it, e.g. to inject faults in tests)."""

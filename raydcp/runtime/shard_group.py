@@ -26,7 +26,9 @@ actors, and of the driver itself for ``full_state_dict``):
    other group uses; a placement group is freed once its last actor ended.
 
 Every operation runs under a fresh group name, so a failed one never leaves the
-next out of step. The driver gathers each actor's outcome and raises one
+next out of step, and all of them in the group's one coordinator host actor,
+started in the background with the group (``Group.hosted_by``) and shared with
+the groups its reshards make: an operation starts no actor. The driver gathers each actor's outcome and raises one
 ``CheckpointError`` naming the failed, dead or stuck ranks; once an actor died
 the group refuses further operations (load the last checkpoint into a new one).
 """
@@ -45,9 +47,8 @@ from ray import exceptions as rex
 from ..engine import read_metadata, transfer
 from ..errors import CheckpointError
 from ..group import Group
-from . import actors
 from .layouts import check_layout, empty_state, reuse_ranks
-from .members import Member, start_members
+from .members import Host, Member, start_members
 from .shard_actor import ShardActor
 
 __all__ = ["ShardGroup"]
@@ -106,7 +107,7 @@ class ShardGroup:
 
     def __init__(self, world_size: int, *, num_gpus_per_actor: float = 1, layout: str = "dim0",
                  timeout_s: float = 600.0, num_cpus_per_actor: float = 0.0, name: str | None = None,
-                 _actor_cls: type = ShardActor, _members: list | None = None):
+                 _actor_cls: type = ShardActor, _members: list | None = None, _host: Host | None = None):
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise CheckpointError(f"ShardGroup: world_size must be an int >= 1, got {world_size!r}")
         for knob, v in (("num_gpus_per_actor", num_gpus_per_actor), ("num_cpus_per_actor", num_cpus_per_actor)):
@@ -147,6 +148,7 @@ class ShardGroup:
         self._members = [(m if m is not None else next(it)).join(self.name) for m in given]
         self._info_refs = {r: m.handle.info.remote() for r, m in enumerate(self._members)}
         self._info: dict | None = None
+        self._host = (_host or Host(self.name, world_size)).join(self.name)  # the operations' coordinator host
 
     # -- public operations -------------------------------------------------------------------
     @property
@@ -215,7 +217,8 @@ class ShardGroup:
         try:
             new = ShardGroup(world_size, layout=lay, timeout_s=self.timeout_s,
                              num_gpus_per_actor=self._requested_gpus if num_gpus_per_actor is None else num_gpus_per_actor,
-                             num_cpus_per_actor=self._num_cpus, _actor_cls=self._cls, _members=given)
+                             num_cpus_per_actor=self._num_cpus, _actor_cls=self._cls, _members=given,
+                             _host=self._host)
         except BaseException:
             for m in given:  # spares taken for it end here; this group's own actors stay
                 if m is not None and not m.groups:
@@ -290,7 +293,7 @@ class ShardGroup:
         dest = empty_state(specs, keys, "replicated", 0, 1, "cpu")
         mine: CheckpointError | None = None
         try:
-            transfer(None, dest, group=Group(*spec(n)[:3], timeout_s=self.timeout_s))
+            transfer(None, dest, group=Group(*spec(n)[:3], timeout_s=self.timeout_s).hosted_by(self._host.name))
         except CheckpointError as exc:
             mine = exc
         self._gather("full_state_dict()", refs, local={n: mine}, note=f"rank {n}: the driver")
@@ -312,6 +315,8 @@ class ShardGroup:
             m.end()
         self._members, self._spares = [], []
         self._stragglers = []
+        if getattr(self, "_host", None) is not None:
+            self._host.leave(self.name)
         self._broken = self._broken or "it was shut down"
 
     def __enter__(self) -> "ShardGroup":
@@ -341,12 +346,11 @@ class ShardGroup:
             raise CheckpointError(f"ShardGroup '{self.name}' holds no state to {what}; call .load(checkpoint_id) first")
 
     def _spec(self, world_size: int | None = None) -> Callable[[int], tuple]:
-        """Group specs of a fresh operation: every rank gets ``(name, rank, world_size, timeout_s)``."""
+        """Group specs of a fresh operation: every rank gets ``(name, rank, world_size, timeout_s, host)``."""
         name = f"{self.name}.{self._ops}"
         self._ops += 1
-        self._op_group = name
         w = world_size or self.world_size
-        return lambda r: (name, r, w, self.timeout_s)
+        return lambda r: (name, r, w, self.timeout_s, self._host.name)
 
     def _gather(self, what: str, refs: dict, members: dict | None = None, *, local: dict | None = None,
                 note: str = "") -> dict:
@@ -354,12 +358,7 @@ class ShardGroup:
 
         ``members`` maps a rank to the groups its actor serves, where that is not just this group.
         """
-        try:
-            return self._await(what, refs, members, local=local, note=note)
-        finally:  # each operation has its own group name: its coordinator host is done with
-            if getattr(self, "_op_group", None):
-                actors.end_group(self._op_group)
-                self._op_group = None
+        return self._await(what, refs, members, local=local, note=note)
 
     def _await(self, what: str, refs: dict, members: dict | None, *, local: dict | None, note: str) -> dict:
         members = members or {}

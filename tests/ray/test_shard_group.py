@@ -183,7 +183,10 @@ def test_operations_leave_no_coordinator_hosts_behind(ray_session, tmp_path):
         other = sg.reshard(3)
         other.shutdown()
         names = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
-        assert not [n for n in names if n.startswith(f"raydcp:{sg.name}.")], names
+        assert not [n for n in names if n.startswith(f"raydcp:{sg.name}.")], names  # no host per operation
+        assert f"raydcp:{sg.name}" in names  # the group's one host
     finally:
         sg.shutdown()
+    names = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if n.startswith(f"raydcp:{sg.name}")], names
 
