@@ -113,7 +113,7 @@ def _start_local(state_dict: dict, checkpoint_id: str, storage_options, max_stag
     if _arena is None or _arena.shared == private:  # first save, or RAYDCP_STAGING changed
         if _arena is not None:
             _arena.close()
-        _arena = StagingArena(shared=not private)
+        _arena = StagingArena(shared=not private, huge_pages=private)
     header = (gp.save_id, 1, dict(gp.tensors), dict(gp.values))
     batches = _batches(gp.ranks[0], staged.plan, cap)
     records: list = []

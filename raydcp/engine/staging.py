@@ -27,6 +27,7 @@ ordered (a save waits for the previous one to finish before it stages).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from multiprocessing import shared_memory
 
@@ -64,6 +65,34 @@ def staging_mode() -> str:
     return "shm"
 
 
+def _anonymous_huge(size: int) -> mmap.mmap:
+    """Private anonymous memory that the kernel may back with transparent huge pages (where
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``): fewer TLB
+    misses and page faults for the staging copies."""
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: ordinary pages
+            pass
+    return mapping
+
+
+def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the bytes of ``src`` into ``dst`` (flat uint8 tensors of the same length), as
+    8-byte words where lengths and offsets allow: torch copies uint8 elements about 15% slower
+    than wider ones, and staging is the part of an async save that training waits for."""
+    n = dst.numel()
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4)):
+        if n % width == 0 and dst.storage_offset() % width == 0 and src.storage_offset() % width == 0:
+            try:
+                dst.view(dtype).copy_(src.view(dtype))
+                return
+            except RuntimeError:  # a view the dtype cannot take: copy bytes
+                break
+    dst.copy_(src)
+
+
 def _register_pinned(buf: torch.Tensor) -> bool:
     """Page-lock a shared-memory arena so device-to-host copies can run asynchronously."""
     return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0) == 0
@@ -72,10 +101,12 @@ __all__ = ["StagingArena", "staging_mode", "STAGING_ENV"]
 
 
 class StagingArena:
-    def __init__(self, *, shared: bool = False):
+    def __init__(self, *, shared: bool = False, huge_pages: bool = False):
         self.shared = shared
+        self.huge_pages = huge_pages  # private host arenas: ask for transparent huge pages
         self.buffer: torch.Tensor | None = None
         self.shm: shared_memory.SharedMemory | None = None
+        self.mapping: mmap.mmap | None = None
         self.allocations = 0  # how many times the arena was (re)allocated
 
     @property
@@ -97,6 +128,10 @@ class StagingArena:
             self.shm = shared_memory.SharedMemory(create=True, size=size)
             self.buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=size)
             self.pinned = pin and _register_pinned(self.buffer)
+        elif self.huge_pages and not pin:
+            self.mapping = _anonymous_huge(size)
+            self.buffer = torch.frombuffer(self.mapping, dtype=torch.uint8, count=size)
+            self.pinned = False
         else:
             self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
             self.pinned = pin
@@ -117,6 +152,12 @@ class StagingArena:
             except BufferError:  # views of the old arena are still alive; the mapping goes with them
                 pass
             self.shm = None
+        if self.mapping is not None:
+            try:
+                self.mapping.close()
+            except BufferError:  # as above
+                pass
+            self.mapping = None
 
     def stage(self, staged: StagedState, indices: list[int], limit: int | None = None) -> dict[int, tuple[int, int]]:
         """Copy pieces ``indices`` into the arena and point ``staged.data`` at the copies.
@@ -145,7 +186,7 @@ class StagingArena:
                 with torch.cuda.stream(stream):
                     dst.copy_(src, non_blocking=True)
             else:
-                dst.copy_(src)
+                _host_copy(dst, src)
             staged.data[i] = dst
         if stream is not None:
             stream.synchronize()

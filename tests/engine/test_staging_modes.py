@@ -42,6 +42,8 @@ def mixed_state() -> dict:
         "f16.t": torch.randn(64, 48, generator=g).half().t(),  # transposed: not contiguous
         "f64.strided": torch.randn(40, 30, generator=g, dtype=torch.float64)[::3, 1::2],
         "i8": torch.randint(-128, 128, (5000,), generator=g, dtype=torch.int8),
+        "i8.offset": torch.randint(-128, 128, (4099,), generator=g, dtype=torch.int8)[3:],  # odd start, 4096 B
+        "f32.offset": torch.randn(1025, generator=g)[1:],  # starts 4 bytes into its storage
         "i64": torch.randint(-2**62, 2**62, (777,), generator=g, dtype=torch.int64),
         "bool": torch.rand(999, generator=g) > 0.5,
         "c64": torch.randn(100, generator=g, dtype=torch.complex64),
