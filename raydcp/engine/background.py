@@ -3,9 +3,12 @@
 Without a group, pieces are staged into one reused arena of this process
 (:mod:`raydcp.engine.staging`: private memory the helper reads with ``process_vm_readv``,
 or shared memory, per ``RAYDCP_STAGING``) and a helper process
-(:class:`HelperPersister`) writes and commits them. Saves are ordered: a save waits
-until the previous one has finished before it stages, so the arena is never
-overwritten while the helper still reads it.
+(:class:`HelperPersister`) writes and commits them. The caller waits only for the
+flattening and the copies: without a staging cap, planning the files and sending the
+job to the helper run on one hand-over thread, after the call has returned (with a
+cap, the batches are planned first). Saves are ordered: a save waits until the
+previous one has finished before it stages, so the arena is never overwritten while
+the helper still reads it.
 """
 from __future__ import annotations
 
@@ -99,13 +102,8 @@ def _start_local(state_dict: dict, checkpoint_id: str, storage_options, max_stag
     try:
         cap = _staging_cap(max_staging_bytes)
         staged = local_save_plan(0, flatten_state(state_dict), compare_replicas=False)
-        opts = SavePlanOptions() if cap is None else SavePlanOptions(max_file_bytes=min(cap, SavePlanOptions().max_file_bytes))
-        gp = plan_save([staged.plan], opts)
-    except Exception as exc:  # errors surface at result(), as for the background part
-        return _failed(exc)
-    try:
         private = staging_mode() == "private"
-    except CheckpointError as exc:
+    except Exception as exc:  # errors surface at result(), as for the background part
         return _failed(exc)
     if _persister is None:
         _persister = HelperPersister()
@@ -114,22 +112,30 @@ def _start_local(state_dict: dict, checkpoint_id: str, storage_options, max_stag
         if _arena is not None:
             _arena.close()
         _arena = StagingArena(shared=not private, huge_pages=private)
+    # The arena is free to overwrite: the previous save (and batch) has finished with it.
+    if cap is None:
+        # One batch: stage every piece now; planning the files and handing the job to the helper
+        # happen on the hand-over thread, after this call has returned.
+        layout = _arena.stage(staged, list(range(len(staged.plan.items))))
+        outer: cf.Future = cf.Future()
+        _handover().submit(_plan_and_submit, outer, staged, layout, _where(private), private,
+                           checkpoint_id, storage_options)
+        return SaveFuture(outer)
+    try:
+        opts = SavePlanOptions(max_file_bytes=min(cap, SavePlanOptions().max_file_bytes))
+        gp = plan_save([staged.plan], opts)
+    except Exception as exc:
+        return _failed(exc)
     header = (gp.save_id, 1, dict(gp.tensors), dict(gp.values))
     batches = _batches(gp.ranks[0], staged.plan, cap)
     records: list = []
     for k, batch in enumerate(batches):
         last = k == len(batches) - 1
         indices = [slot.item for _, slots in batch for slot in slots]
-        # the arena is free to overwrite: the previous save (or batch) has finished with it
         layout = _arena.stage(staged, indices, limit=cap)
-        where = ({"source": {"pid": os.getpid(), "address": _arena.address, "size": _arena.buffer.numel()}}
-                 if private else {"arena": _arena.shm_name, "arena_size": _arena.buffer.numel()})
-        fut = _persister.submit({
-            **where, "layout": layout,
-            "local_plan": staged.plan, "write_plan": RankWritePlan(0, gp.save_id, tuple(batch)),
-            "checkpoint_id": checkpoint_id, "storage_options": storage_options,
-            "header": header if last else None, "records": records if last else [],
-        }, reads_memory=private)
+        fut = _persister.submit(_job(_where(private), layout, staged, RankWritePlan(0, gp.save_id, tuple(batch)),
+                                     checkpoint_id, storage_options, header if last else None,
+                                     records if last else []), reads_memory=private)
         if last:
             return SaveFuture(fut)
         try:
@@ -137,6 +143,53 @@ def _start_local(state_dict: dict, checkpoint_id: str, storage_options, max_stag
         except Exception as exc:
             return _failed(exc)
     raise AssertionError("unreachable: there is always a last batch")
+
+
+def _where(private: bool) -> dict:
+    """Where the helper finds the staged bytes: this process's private arena, or the shared one."""
+    if private:
+        return {"source": {"pid": os.getpid(), "address": _arena.address, "size": _arena.buffer.numel()}}
+    return {"arena": _arena.shm_name, "arena_size": _arena.buffer.numel()}
+
+
+def _job(where: dict, layout: dict, staged, write_plan: RankWritePlan, checkpoint_id: str, storage_options,
+         header, records: list) -> dict:
+    return {**where, "layout": layout, "local_plan": staged.plan, "write_plan": write_plan,
+            "checkpoint_id": checkpoint_id, "storage_options": storage_options, "header": header,
+            "records": records}
+
+
+_handover_pool: cf.ThreadPoolExecutor | None = None
+
+
+def _handover() -> cf.ThreadPoolExecutor:
+    """One thread, so jobs reach the helper in the order of the saves."""
+    global _handover_pool
+    if _handover_pool is None:
+        _handover_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="raydcp-handover")
+    return _handover_pool
+
+
+def _plan_and_submit(outer: cf.Future, staged, layout: dict, where: dict, private: bool, checkpoint_id: str,
+                     storage_options) -> None:
+    """On the hand-over thread: plan the files of a staged save, send the job to the helper, and
+    resolve ``outer`` with the helper's answer (or this step's error)."""
+    try:
+        gp = plan_save([staged.plan], SavePlanOptions())
+        header = (gp.save_id, 1, dict(gp.tensors), dict(gp.values))
+        inner = _persister.submit(_job(where, layout, staged, gp.ranks[0], checkpoint_id, storage_options,
+                                       header, []), reads_memory=private)
+    except BaseException as exc:
+        outer.set_exception(exc if isinstance(exc, CheckpointError) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+        return
+
+    def resolve(done: cf.Future) -> None:
+        exc = done.exception()
+        if exc is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(done.result())
+    inner.add_done_callback(resolve)
 
 
 def _shutdown() -> None:
