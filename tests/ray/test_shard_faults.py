@@ -123,3 +123,34 @@ def test_actor_killed_mid_save_commits_nothing(ray_session, src, full, tmp_path)
             g.save(path)
     finally:
         g.shutdown()
+
+
+def test_actor_killed_mid_reshard_breaks_both_groups_it_serves(ray_session, src, full):
+    g = raydcp.ShardGroup(2, num_gpus_per_actor=0, timeout_s=TIMEOUT_S, _actor_cls=FaultyShardActor)
+    try:
+        g.load(src, layout="dim0")
+        g.prepare_reshard(3)
+        added = [m.handle for m in g._spares]
+        ray_session.get([a.info.remote() for a in added])  # the added actor is up
+        victim = g.actors[1]  # kept by the 3-rank group too: it sends its pieces and receives new ones
+        ray_session.get(victim.inject.remote("transfer: plan", "hang"))
+
+        def kill_when_stalled():
+            if ray_session.get(victim.wait_reached.remote(60)):
+                ray_session.kill(victim)
+
+        killer = threading.Thread(target=kill_when_stalled)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError) as info:
+            g.reshard(3)
+        killer.join()
+        assert time.monotonic() - t0 < TIMEOUT_S + OPERATION_SLACK_S
+        assert "ranks [1] died" in str(info.value) and 1 in info.value.failures
+        with pytest.raises(CheckpointError, match=r"died during reshard\(3\).*load the last checkpoint"):
+            g.full_state_dict()
+        assert ray_session.get(g.apply_remote(0, check_pieces, full, "dim0", 0, 2)) == []  # rank 0 kept its state
+        with pytest.raises(ray_session.exceptions.RayActorError):  # the new group's added actor ended with it
+            ray_session.get(added[0].info.remote(), timeout=30)
+    finally:
+        g.shutdown()
