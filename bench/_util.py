@@ -185,3 +185,19 @@ class GcTimer:
 
 
 GC = GcTimer()
+
+
+def refill_free_memory(mib: int = 1024) -> None:
+    """Touch and free ``mib`` MiB, untimed, right before a timed operation (of either library).
+
+    On a VM whose balloon driver reports free memory to the hypervisor (virtio-balloon free page
+    reporting, as on the 2-core machines these benchmarks run on), memory that stayed free for a
+    few seconds is unmapped on the host, and the next process to take it pays a host page fault per
+    page: after 15 s idle, writing 128 MiB into the page cache took 0.55-0.66 s instead of
+    0.03-0.07 s. Which library pays depends on what ran just before and on its untimed set-up, not
+    on the library; after this call both find the same host-backed free memory.
+    """
+    import numpy as np
+
+    block = np.ones(mib << 20, np.uint8)  # large: its own mapping, returned to the kernel when freed
+    del block

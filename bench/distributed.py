@@ -31,8 +31,11 @@ Peers, at equal durability (data fsynced before the checkpoint commits):
 The tensors a rank saves are the ones it loads into (as in training): they are refilled with its
 values before each save and with NaN before each load (untimed), and every loaded value is
 compared with what was saved, for both libraries. Both libraries warm up (imports, connections,
-coordinator actors) before timing. Each repeat runs every scenario with one library, then the
-other; the order rotates from repeat to repeat, so both find their files in the page cache alike.
+coordinator actors) before timing. Before each timed operation of either library the driver
+touches and frees 1 GiB (untimed, ``_util.refill_free_memory``): this VM hands memory that stayed
+free a few seconds back to the hypervisor, and whichever process touches it first then pays host
+page faults, which depends on what ran before, not on the library. Each repeat runs every scenario
+with one library, then the other; the order rotates from repeat to repeat, so both find their files in the page cache alike.
 Medians of --repeats; ratios are DCP time / raydcp time.
 
     python bench/distributed.py                                  # full size, a few minutes on 2 cores
@@ -59,7 +62,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import LoadRange, argv_line, goal, log, machine, median, save_json, table  # noqa: E402
+from _util import LoadRange, argv_line, goal, log, machine, median, refill_free_memory, save_json, table  # noqa: E402
 
 MIB = 1 << 20
 GB = 1e9
@@ -227,6 +230,7 @@ class DcpPool:
         return out
 
     def run(self, cmd: str, kind: str, path: str, w: int) -> tuple[float, int]:
+        refill_free_memory()
         for c in self.conns:
             c.send((cmd, kind, path, w))
         answers = self._recv_all(f"{cmd} {kind} on {w} ranks")
@@ -456,6 +460,7 @@ class RayDcpSide:
 
     def _save(self, kind: str, path: str) -> float:
         ray, actors = self.ray, self.ranks[:SAVERS]
+        refill_free_memory()
         ray.get([a.prepare.remote(kind, SAVERS, "save") for a in actors])
         t0 = time.perf_counter()
         ray.get([a.save.remote(kind, SAVERS, path) for a in actors])
@@ -463,6 +468,7 @@ class RayDcpSide:
 
     def _load(self, w: int, kind: str, path: str) -> float:
         ray, actors = self.ray, self.ranks[:w]
+        refill_free_memory()
         ray.get([a.prepare.remote(kind, w, "load") for a in actors])
         t0 = time.perf_counter()
         stats = ray.get([a.load.remote(kind, w, path) for a in actors])
@@ -492,6 +498,7 @@ class RayDcpSide:
         if prepared:
             group.prepare_reshard(RESHARD_MEM)
             self.ray.get([m.handle.info.remote() for m in group._spares])  # up, imports done
+        refill_free_memory()
         wall0, t0 = time.time(), time.perf_counter()
         new = group.reshard(RESHARD_MEM)
         t = time.perf_counter() - t0
