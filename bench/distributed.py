@@ -11,8 +11,9 @@ Scenarios (each library, every repeat):
   (3) load 4->3   the first 3 ranks load it, each holding chunk r of 3 (resharded on load)
   (4) reshard 4->6  raydcp: ShardGroup(4) holding the state -> .reshard(6), in memory through the
                   object store; the new group keeps the 4 actors and adds 2, started ahead with
-                  ``prepare_reshard(6)`` (untimed, as DCP's processes are); "+start": the same
-                  call starting the 2 added actors itself (timed);
+                  ``prepare_reshard(6)``, which also has every actor allocate its new pieces
+                  (untimed, as DCP's processes and their tensors are); "+start": the same call
+                  starting the 2 added actors and allocating the pieces itself (timed);
                   DCP: save by the 4 ranks + resharded load onto 6 ranks (the save of (1), then a load)
   (5) small       4 ranks save and load the small set
 
@@ -498,6 +499,7 @@ class RayDcpSide:
         if prepared:
             group.prepare_reshard(RESHARD_MEM)
             self.ray.get([m.handle.info.remote() for m in group._spares])  # up, imports done
+            self.ray.get(group._prepared)  # the new pieces allocated
         refill_free_memory()
         wall0, t0 = time.time(), time.perf_counter()
         new = group.reshard(RESHARD_MEM)

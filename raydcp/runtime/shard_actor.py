@@ -44,6 +44,7 @@ class ShardActor:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self.states: dict[str, dict[str, Any]] = {}  # group name -> its flat state on this actor
         self._dropped: set[str] = set()
+        self._prepared: dict[str, tuple] = {}  # by the group that prepared them: (what for, pieces)
 
     # -- collective steps (every rank of the group at once) -----------------------------
     def load(self, slot: str, group: GroupSpec, checkpoint_id: str, fresh: tuple | None, strict: bool,
@@ -75,21 +76,38 @@ class ShardActor:
         return self._outcome(run)
 
     def receive(self, slot: str, group: GroupSpec, rank: int, world_size: int, specs: Specs,
-                value_keys: Iterable[str], layout: str, source: str | None = None):
+                value_keys: Iterable[str], layout: str, source: str | None = None, prepared_by: str | None = None):
         """Receive group ``slot``'s pieces (``rank`` of ``world_size`` in ``layout``) from a transfer;
-        with ``source``, this actor also serves that group's pieces to the same transfer."""
+        with ``source``, this actor also serves that group's pieces to the same transfer. Pieces
+        ``prepare_receive`` allocated for ``prepared_by`` are filled if they fit, new ones otherwise."""
         def run():
-            state = self._empty(specs, value_keys, layout, rank, world_size)
+            ready = self._prepared.pop(prepared_by, None)
+            if ready is not None and ready[0] == (rank, world_size, layout, _spec_key(specs, value_keys)):
+                state = ready[1]
+            else:
+                state = self._empty(specs, value_keys, layout, rank, world_size)
             _transfer(self._state(source) if source is not None else None, state, group=self._op_group(group))
             self._keep(slot, state)
             return None
 
         return self._outcome(run)
 
+    def prepare_receive(self, prepared_by: str, rank: int, world_size: int, specs: Specs,
+                        value_keys: Iterable[str], layout: str) -> None:
+        """Allocate (and touch) the pieces a later ``receive`` of ``rank`` of ``world_size`` fills,
+        ahead of it (``ShardGroup.prepare_reshard``): the reshard then only moves bytes."""
+        state = self._empty(specs, value_keys, layout, rank, world_size)
+        for v in state.values():
+            t = v.tensor if isinstance(v, Shard) else v
+            if isinstance(t, torch.Tensor) and t.numel():
+                t.view(-1).view(torch.uint8).zero_()  # the page faults happen here, not in the reshard
+        self._prepared[prepared_by] = ((rank, world_size, layout, _spec_key(specs, value_keys)), state)
+
     def drop(self, slot: str) -> None:
-        """Forget group ``slot``'s state (that group shut down or gave this actor up)."""
+        """Forget group ``slot``'s state (that group shut down or gave this actor up), and what it prepared."""
         self._dropped.add(slot)
         self.states.pop(slot, None)
+        self._prepared.pop(slot, None)
 
     # -- local queries ---------------------------------------------------------------
     def info(self) -> dict:
@@ -156,3 +174,7 @@ class ShardActor:
             return fn()
         except CheckpointError as exc:
             return exc
+
+
+def _spec_key(specs: Specs, value_keys: Iterable[str]) -> tuple:
+    return tuple((k, tuple(shape), dtype) for k, (shape, dtype) in specs.items()), tuple(value_keys)

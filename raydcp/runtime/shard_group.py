@@ -130,6 +130,7 @@ class ShardGroup:
         self._stragglers: list = []
         self._members: list[Member] = []
         self._spares: list[Member] = []  # started by prepare_reshard for a later reshard
+        self._prepared: list = []  # prepare_reshard's allocations in the actors, still running
 
         if not ray.is_initialized():
             ray.init()
@@ -210,9 +211,12 @@ class ShardGroup:
         """
         self._begin("reshard", need_state=True)
         lay = check_layout(layout or self.layout)
+        if self._prepared:  # pieces still being allocated: a receive must not start before them
+            ray.wait(self._prepared, num_returns=len(self._prepared), timeout=self.timeout_s)
+            self._prepared = []
         specs, keys = self._specs
         reuse = self._reuse_plan(world_size, lay, num_gpus_per_actor)
-        given = [self._members[i] if i is not None else (self._spares.pop() if self._spares else None)
+        given = [self._members[i] if i is not None else (self._spares.pop(0) if self._spares else None)
                  for i in reuse]
         try:
             new = ShardGroup(world_size, layout=lay, timeout_s=self.timeout_s,
@@ -233,20 +237,29 @@ class ShardGroup:
         return new
 
     def prepare_reshard(self, world_size: int, *, layout: str | None = None) -> "ShardGroup":
-        """Start now, in the background, the actors a later ``reshard(world_size, layout=...)`` adds; returns self.
+        """Start now, in the background, the actors a later ``reshard(world_size, layout=...)`` adds,
+        and have every actor of that reshard allocate its new pieces; returns self.
 
-        For elastic scale-up: the new workers' actors start (imports, placement) while
-        training goes on, and the reshard then only moves the pieces. Unused ones end
-        with this group.
+        For elastic scale-up: the new workers' actors start (imports, placement) and the
+        destination memory is allocated while training goes on, and the reshard then only
+        moves the pieces. Unused actors end with this group; unused pieces are freed by
+        the next reshard or when this group shuts down.
         """
         self._begin("prepare_reshard", need_state=True)
-        need = self._reuse_plan(world_size, check_layout(layout or self.layout), None).count(None)
-        more = need - len(self._spares)
+        lay = check_layout(layout or self.layout)
+        reuse = self._reuse_plan(world_size, lay, None)
+        added = [j for j, i in enumerate(reuse) if i is None]
+        more = len(added) - len(self._spares)
         if more > 0:
             bundles, gpus, _ = plan_placement(ray.cluster_resources(), more, self._requested_gpus, self._num_cpus)
             self._spares += start_members(self._cls, more, bundles, num_gpus=gpus, num_cpus=self._num_cpus,
                                           timeout_s=self.timeout_s, first_rank=self.world_size,
                                           world_size=world_size)
+        specs, keys = self._specs
+        self._prepared = []  # the reshard waits for these, so that each receive finds its pieces
+        for j, i in enumerate(reuse):
+            actor = self._members[i].handle if i is not None else self._spares[added.index(j)].handle
+            self._prepared.append(actor.prepare_receive.remote(self.name, j, world_size, specs, keys, lay))
         return self
 
     def _reuse_plan(self, world_size: int, layout: str, num_gpus_per_actor: float | None) -> list[int | None]:
@@ -271,13 +284,13 @@ class ShardGroup:
         for i, a in enumerate(self.actors):
             if i in new_rank_of:
                 refs[i] = a.receive.remote(new.name, spec(i), new_rank_of[i], new.world_size, specs, keys, new.layout,
-                                           self.name)
+                                           self.name, self.name)
                 groups[i] = [self, new]
             else:
                 refs[i] = a.send.remote(self.name, spec(i))
         for k, j in enumerate(added):
             refs[n + k] = new.actors[j].receive.remote(new.name, spec(n + k), j, new.world_size, specs, keys,
-                                                       new.layout)
+                                                       new.layout, None, self.name)
             groups[n + k] = [new]
         where = f"ranks 0-{n - 1}: this group" + (
             f", {n}-{n + len(added) - 1}: actors added for new ranks {added}" if added else "")

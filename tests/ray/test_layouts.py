@@ -80,3 +80,16 @@ def test_reuse_ranks_keeps_the_pieces_in_place():
     assert reuse_ranks({}, "dim0", 2, "dim0", 3).count(None) == 1  # nothing held: any assignment
     with pytest.raises(CheckpointError, match="unknown layout"):
         reuse_ranks(specs, "rows", 2, "dim0", 3)
+
+
+def test_shard_actor_prepares_pieces_and_drops_them_with_the_group():
+    from raydcp.runtime.shard_actor import ShardActor
+
+    actor = ShardActor(0, 2)  # the plain class: no Ray
+    specs = {"w": ((6, 4), "float32"), "s": ((), "int64")}
+    actor.prepare_receive("g1", 1, 3, specs, ["step"], "dim0")
+    key, state = actor._prepared["g1"]
+    assert key[:3] == (1, 3, "dim0") and state["w"].offsets == (2, 0) and state["step"] is None
+    assert int(state["w"].tensor.count_nonzero()) == 0  # touched: zeroed ahead of the reshard
+    actor.drop("g1")
+    assert "g1" not in actor._prepared

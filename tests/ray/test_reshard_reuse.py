@@ -83,8 +83,13 @@ def test_prepare_reshard_starts_the_added_actors_ahead(ray_session, src, full):
         assert g.prepare_reshard(3) is g
         spares = [m.handle for m in g._spares]
         assert len(spares) == 1 and _alive(ray_session, spares) == [True]  # up before the reshard
+        ray_session.get(g._prepared)  # every actor of the reshard allocated its new pieces
         new = g.reshard(3)
         assert set(_ids(spares)) <= set(_ids(new.actors)) and not g._spares
+        assert_holds(ray_session, new, full, "dim0")
+        new.shutdown()
+        g.prepare_reshard(3, layout="dim1")  # pieces prepared for columns, used for rows: new ones
+        new = g.reshard(3)
         assert_holds(ray_session, new, full, "dim0")
         new.shutdown()
         g.prepare_reshard(5)  # never used: ends with the group
