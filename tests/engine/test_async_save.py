@@ -99,24 +99,6 @@ def test_staging_cap_stages_in_pieces(tmp_path):
 
 
 def test_the_persisting_process_runs_at_a_lower_cpu_priority(tmp_path):
-    from raydcp.engine import background as async_mod
-from raydcp.engine import procmem
-
-MODES = ["shm", pytest.param("private", marks=pytest.mark.skipif(
-    not procmem.SUPPORTED or procmem.probe() is not None, reason="no process_vm_readv from a child here"))]
-
-
-@pytest.fixture(autouse=True, params=MODES)
-def staging(request, monkeypatch):
-    monkeypatch.setenv("RAYDCP_STAGING", request.param)
-    yield request.param
-    async_mod._last is None or async_mod._last.wait()
-
-
-def test_the_arena_is_where_the_mode_says(tmp_path, staging):
-    raydcp.async_save(state(1.0), tmp_path / "a").result(timeout=120)
-    assert async_mod._arena.shared == (staging == "shm")
-
     raydcp.async_save({"w": torch.ones(8)}, tmp_path / "nice").result(timeout=60)
     pid = async_mod._persister.pid
     assert os.getpriority(os.PRIO_PROCESS, pid) >= os.getpriority(os.PRIO_PROCESS, 0) + 10
