@@ -45,6 +45,25 @@ def holds(ray, g, full, layout="dim0"):
                     for r in range(g.world_size)]) == [[]] * g.world_size
 
 
+def killed_while(ray, victim, step: str, operation) -> None:
+    """Run ``operation`` while rank 1's actor ``victim`` hangs at ``step`` and is killed there: it fails
+    within the timeout with one CheckpointError naming rank 1 as dead."""
+    ray.get(victim.inject.remote(step, "hang"))
+
+    def kill_when_stalled():
+        if ray.get(victim.wait_reached.remote(60)):
+            ray.kill(victim)
+
+    killer = threading.Thread(target=kill_when_stalled)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError) as info:
+        operation()
+    killer.join()
+    assert time.monotonic() - t0 < TIMEOUT_S + OPERATION_SLACK_S
+    assert "ranks [1] died" in str(info.value) and 1 in info.value.failures
+
+
 def test_rank_that_never_arrives_is_named(ray_session, faulty, src, full, tmp_path):
     faulty.load(src, layout="dim0")
     # rank 1 stays away from the save's planning step until the others gave up on it
@@ -100,20 +119,7 @@ def test_actor_killed_mid_save_commits_nothing(ray_session, src, full, tmp_path)
         ray_session.get([a.apply.remote(bump) for a in g.actors])
         victim = g.actors[1]
         # rank 1 writes its files, then stalls before the commit step until it is killed
-        ray_session.get(victim.inject.remote("save: commit", "hang"))
-
-        def kill_when_stalled():
-            if ray_session.get(victim.wait_reached.remote(60)):
-                ray_session.kill(victim)
-
-        killer = threading.Thread(target=kill_when_stalled)
-        killer.start()
-        t0 = time.monotonic()
-        with pytest.raises(CheckpointError) as info:
-            g.save(path)
-        killer.join()
-        assert time.monotonic() - t0 < TIMEOUT_S + OPERATION_SLACK_S
-        assert "ranks [1] died" in str(info.value) and 1 in info.value.failures
+        killed_while(ray_session, victim, "save: commit", lambda: g.save(path))
         # nothing committed: the previous checkpoint is still the one there, bit-exact
         assert raydcp.read_metadata(path).save_id == first.save_id
         state = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in full.items()}
@@ -133,20 +139,7 @@ def test_actor_killed_mid_reshard_breaks_both_groups_it_serves(ray_session, src,
         added = [m.handle for m in g._spares]
         ray_session.get([a.info.remote() for a in added])  # the added actor is up
         victim = g.actors[1]  # kept by the 3-rank group too: it sends its pieces and receives new ones
-        ray_session.get(victim.inject.remote("transfer: plan", "hang"))
-
-        def kill_when_stalled():
-            if ray_session.get(victim.wait_reached.remote(60)):
-                ray_session.kill(victim)
-
-        killer = threading.Thread(target=kill_when_stalled)
-        killer.start()
-        t0 = time.monotonic()
-        with pytest.raises(CheckpointError) as info:
-            g.reshard(3)
-        killer.join()
-        assert time.monotonic() - t0 < TIMEOUT_S + OPERATION_SLACK_S
-        assert "ranks [1] died" in str(info.value) and 1 in info.value.failures
+        killed_while(ray_session, victim, "transfer: plan", lambda: g.reshard(3))
         with pytest.raises(CheckpointError, match=r"died during reshard\(3\).*load the last checkpoint"):
             g.full_state_dict()
         assert ray_session.get(g.apply_remote(0, check_pieces, full, "dim0", 0, 2)) == []  # rank 0 kept its state
