@@ -68,3 +68,29 @@ def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
 def _pick(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """``a[rows, cols]`` of a C-contiguous 2-D array, through its flat view."""
     return np.take(a.reshape(-1), rows * a.shape[1] + cols)
+
+
+def _stack_items(cols: list, kid: dict[str, int], width: int) -> tuple[np.ndarray, ...]:
+    """Every rank's items (``ItemColumns``) in one set of arrays, allocated once: ``(key, offsets,
+    sizes, ndim, starts)``. ``key`` is the global key id (-1 for a key not in ``kid``); boxes of
+    fewer than ``width`` dimensions are padded with offset 0, size 1; rank r's items are rows
+    ``starts[r]:starts[r + 1]``. Ranks that describe the same keys share one key map (by digest)."""
+    counts = np.array([len(c.key) for c in cols], np.int64)
+    n = int(counts.sum())
+    starts = np.zeros(len(cols) + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    key = np.empty(n, np.int64)
+    off = np.zeros((n, width), np.int64)
+    size = np.ones((n, width), np.int64)
+    maps: dict[bytes, np.ndarray] = {}
+    for r, c in enumerate(cols):
+        m = maps.get(c.keys_digest)
+        if m is None:
+            m = maps[c.keys_digest] = np.array([kid.get(k, -1) for k in c.keys] or [0], np.int64)
+        a, b = starts[r], starts[r + 1]
+        np.take(m, c.key, out=key[a:b])
+        w = c.offsets.shape[1]
+        off[a:b, :w] = c.offsets
+        size[a:b, :w] = c.sizes
+    ndim = np.concatenate([c.ndim for c in cols]) if n else np.zeros(0, np.int64)
+    return key, off, size, ndim, starts

@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from ..metadata import ChunkTable
 from .boxes import byte_runs, intersect, merge_runs
 from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_arrays
-from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _take
+from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _stack_items, _take
 from .types import RankLoadPlan, ReadTable, SourceChunk, StoredChunks
 
 # stored chunks from this size on are read part by part by the ranks that need the parts
@@ -119,24 +119,9 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     isz = np.array([itemsizes[key] for key in keys], np.int64)
 
     # ---- the requests of every rank
-    maps: dict[bytes, np.ndarray] = {}
-    qcount = np.array([len(c.key) for c in lcols], np.int64)
-    nq = int(qcount.sum())
-    qstart = np.zeros(world + 1, np.int64)
-    np.cumsum(qcount, out=qstart[1:])
-    q_key = np.empty(nq, np.int64)
-    q_off = np.zeros((nq, width), np.int64)
-    q_size = np.ones((nq, width), np.int64)
-    for r, c in enumerate(lcols):
-        m = maps.get(c.keys_digest)
-        if m is None:
-            m = maps[c.keys_digest] = np.array([kid.get(key, -1) for key in c.keys] or [0], np.int64)
-        a, b = qstart[r], qstart[r + 1]
-        q_key[a:b] = m[c.key]
-        w = c.offsets.shape[1]
-        q_off[a:b, :w] = c.offsets
-        q_size[a:b, :w] = c.sizes
-    q_nd = np.concatenate([c.ndim for c in lcols]) if nq else np.zeros(0, np.int64)
+    q_key, q_off, q_size, q_nd, qstart = _stack_items(lcols, kid, width)
+    nq = len(q_key)
+    qcount = np.diff(qstart)
     q_rank = np.repeat(np.arange(world), qcount)
     q_item = np.arange(nq) - qstart[:-1][q_rank]
     known = q_key >= 0

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from .arrays import _dim_range, _order, _rank_sums
+from .arrays import _dim_range, _order, _rank_sums, _stack_items
 from .boxes import numel
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
 
@@ -132,32 +132,13 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
 
     # every rank's items, concatenated: global key id, rank, index in its plan, box, bytes, checksum
     kid = {key: i for i, key in enumerate(keys)}
-    maps: dict[bytes, np.ndarray] = {}
-    counts = np.array([len(c.key) for c in cols], np.int64)
-    n = int(counts.sum())
-    starts = np.zeros(world + 1, np.int64)
-    np.cumsum(counts, out=starts[1:])
-    # (the planning arrays are allocated once and filled in place: fresh memory costs page faults)
-    g = np.empty(n, np.int64)
-    off = np.empty((n, width), np.int64)
-    size = np.empty((n, width), np.int64)
-    for r, c in enumerate(cols):
-        m = maps.get(c.keys_digest)
-        if m is None:
-            m = np.array([kid.get(key, -1) for key in c.keys] or [0], np.int64)
-            if (m < 0).any():
-                return None  # an item of a tensor no rank describes
-            m = maps[c.keys_digest] = (m, nds[m])
-        a, b = starts[r], starts[r + 1]
-        np.take(m[0], c.key, out=g[a:b])
-        if not np.array_equal(c.ndim, m[1][c.key]):
-            return None
-        w = c.offsets.shape[1]
-        off[a:b, :w] = c.offsets
-        size[a:b, :w] = c.sizes
-        if w < width:
-            off[a:b, w:] = 0
-            size[a:b, w:] = 1
+    g, off, size, ndim, starts = _stack_items(cols, kid, width)
+    n = len(g)
+    counts = np.diff(starts)
+    if (g < 0).any():
+        return None  # an item of a tensor no rank describes
+    if not np.array_equal(ndim, nds[g]):
+        return None
     nbytes = np.concatenate([c.nbytes for c in cols]) if n else np.zeros(0, np.int64)
     crc = np.concatenate([c.checksum for c in cols]) if n else np.zeros(0, np.int64)
     if n and int(size.min()) < 0:
