@@ -120,20 +120,6 @@ class ShardActor:
             "keys": {slot: len(state) for slot, state in self.states.items()},
         }
 
-    def specs(self, slot: str | None = None) -> tuple[dict, dict]:
-        """``({fqn: (global shape, dtype)}, {value key: value})`` of a group's state."""
-        from ..codec import dtype_name
-
-        specs, values = {}, {}
-        for fqn, v in self._state(slot).items():
-            if isinstance(v, Shard):
-                specs[fqn] = (v.global_shape, dtype_name(v.tensor.dtype))
-            elif isinstance(v, torch.Tensor):
-                specs[fqn] = (tuple(v.shape), dtype_name(v.dtype))
-            else:
-                values[fqn] = v
-        return specs, values
-
     def apply(self, fn: Callable, *args) -> Any:
         """Run ``fn(state, *args)`` on the state of this actor's only group (inspection, tests, tools)."""
         return fn(self._state(None), *args)
