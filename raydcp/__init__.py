@@ -3,7 +3,7 @@
 Public API (DESIGN.md): save, async_save, load, read_metadata, Shard, Group,
 CheckpointError, Metadata, ShardGroup, and the Ray Train helpers in raydcp.train.
 """
-from .engine import async_save, load, read_metadata, save
+from .api import async_save, load, read_metadata, save
 from .errors import CheckpointError
 from .group import Group
 from .metadata import Metadata

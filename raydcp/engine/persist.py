@@ -1,28 +1,33 @@
-"""Persisting staged checkpoints in a helper process, so the trainer's GIL is never contended.
+"""The asynchronous persister of a process saving alone: a helper process writes and commits.
 
-Protocol (parent = the training process, helper = ``python -m raydcp.engine.persist_worker``):
+:class:`LocalPersister` is the :class:`~raydcp.engine.background.AsyncPersister` for
+``group=None``; its writes run in a helper process (``python -m raydcp.engine.persist_worker``,
+:class:`HelperProcess`), so the trainer's GIL is never contended. Protocol (parent = the
+training process, helper = the helper process), per save:
 
-1. The parent stages pieces into an arena (:class:`StagingArena`: its own private
-   memory, or shared memory) and sends a job: the write plan of some files, where
-   each piece sits in the arena, and -- for the last job of a save -- the header to
-   commit. For a private arena, ``submit(job, reads_memory=True)`` first names the
-   helper as the process allowed to read the parent's memory
-   (:func:`raydcp.engine.procmem.allow_reader`).
-2. The helper (running at a lower CPU priority, :func:`lower_priority`, so
-   that its checksums and copies do not slow the training steps) attaches to a
-   shared arena by name or copies a private one's pieces out a chunk at a time,
-   writes the files (fsync), and for the last job writes the
-   metadata last, atomically. It answers with the
-   storage records (or the Metadata, or an error message). The parent does not
-   touch the arena until the answer to the job's save has come.
-3. A watcher thread in the parent (blocked on the pipe, not on the GIL) resolves
-   the job's future; if the helper dies, every pending future fails with a
-   CheckpointError and the next save starts a new helper.
+1. ``begin``: the parent sends the local plan; the helper opens a
+   :class:`~raydcp.engine.session.PersistSession` over the in-process transport and runs the
+   plan step (it answers with the plan items of each batch).
+2. ``write``, per batch: the parent stages the batch's pieces into its arena
+   (:class:`StagingArena`: its own private memory, or shared memory) and sends where each
+   piece sits. For a private arena the helper is first named as the process allowed to read
+   the parent's memory (:func:`raydcp.engine.procmem.allow_reader`). The helper (at a lower
+   CPU priority, :func:`lower_priority`, so that its checksums and copies do not slow the
+   training steps) attaches to a shared arena by name, or copies a private one's pieces out a
+   chunk at a time, and writes the batch's files (fsync). The parent does not touch the arena
+   until the save has finished.
+3. ``commit``: the helper writes the metadata last, atomically, and answers with it.
+
+The parent sends the jobs from one hand-over thread, in order, so that pickling a large plan
+never stalls the caller. A watcher thread in the parent (blocked on the pipe, not on the GIL)
+resolves each job's future; if the helper dies, every pending future fails with a
+CheckpointError and the next save starts a new helper.
 
 Only raydcp's own plans and records cross the pipe; checkpoint data never does.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import itertools
 import os
@@ -30,25 +35,23 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Callable
 
 from ..errors import CheckpointError
+from ..options import PERSIST_NICE_ENV, AsyncOptions
 from . import procmem
+from .background import wait_for_last_save
+from .save import StagedState
+from .staging import StagingArena, staging_mode
 
-__all__ = ["HelperPersister", "lower_priority", "PERSIST_NICE_ENV"]
-
-PERSIST_NICE_ENV = "RAYDCP_PERSIST_NICE"
+__all__ = ["LocalPersister", "HelperProcess", "local_persister", "lower_priority", "PERSIST_NICE_ENV"]
 
 
-def lower_priority() -> int:
-    """Let this (persisting) process yield the CPU to training: raise its nice value by
-    ``RAYDCP_PERSIST_NICE`` (default 19, the lowest priority: the persist then runs on CPU time
-    training leaves idle, as on GPU nodes, and slows down rather than slowing a CPU-bound trainer;
-    0 leaves it). Returns the nice value now in effect."""
-    try:
-        step = int(os.environ.get(PERSIST_NICE_ENV, "19"))
-    except ValueError:
-        step = 19
+def lower_priority(step: int = 19) -> int:
+    """Let this (persisting) process yield the CPU to training: raise its nice value by ``step``
+    (``AsyncOptions.persist_nice``, ``RAYDCP_PERSIST_NICE``; default 19, the lowest priority: the
+    persist then runs on CPU time training leaves idle, as on GPU nodes, and slows down rather
+    than slowing a CPU-bound trainer; 0 leaves it). Returns the nice value now in effect."""
     if step <= 0 or not hasattr(os, "nice"):
         return os.nice(0) if hasattr(os, "nice") else 0
     try:
@@ -57,10 +60,11 @@ def lower_priority() -> int:
         return os.nice(0)
 
 
-class HelperPersister:
+class HelperProcess:
     """One helper process per training process, started on first use and reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 19) -> None:
+        self.nice = nice
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -74,7 +78,7 @@ class HelperPersister:
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "raydcp.engine.persist_worker", str(to_child_r), str(to_parent_w)],
+            [sys.executable, "-m", "raydcp.engine.persist_worker", str(to_child_r), str(to_parent_w), str(self.nice)],
             pass_fds=(to_child_r, to_parent_w), close_fds=True,
         )
         os.close(to_child_r)
@@ -129,3 +133,88 @@ class HelperPersister:
         if self._proc is not None and self._proc.poll() is None:
             self._conn.close()
             self._proc.wait(timeout=30)
+
+
+def _relay(outer: cf.Future, send: Callable[[], cf.Future]) -> None:
+    """On the hand-over thread: send a job and resolve ``outer`` with the helper's answer."""
+    try:
+        inner = send()
+    except BaseException as exc:
+        outer.set_exception(exc if isinstance(exc, CheckpointError) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+        return
+
+    def resolve(done: cf.Future) -> None:
+        exc = done.exception()
+        if exc is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(done.result())
+    inner.add_done_callback(resolve)
+
+
+class LocalPersister:
+    """The :class:`~raydcp.engine.background.AsyncPersister` of a process saving alone (see the module doc)."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.helper: HelperProcess | None = None
+        self.arena: StagingArena | None = None
+        self._private = False
+        self._cap: int | None = None
+        self._handover = cf.ThreadPoolExecutor(1, thread_name_prefix="raydcp-handover")  # jobs in save order
+
+    def begin(self, plan, checkpoint_id: str, storage_options, options: AsyncOptions) -> cf.Future:
+        private = staging_mode(options.staging) == "private"
+        if self.helper is None or self.helper.nice != options.persist_nice:
+            if self.helper is not None:
+                self.helper.close()
+            self.helper = HelperProcess(options.persist_nice)
+        if self.arena is None or self.arena.shared == private:  # first save, or the staging mode changed
+            if self.arena is not None:
+                self.arena.close()
+            self.arena = StagingArena(shared=not private, huge_pages=private)
+        # The arena is free to overwrite: the previous save has finished with it.
+        self._private, self._cap = private, options.max_staging_bytes
+        return self._send({"op": "begin", "local_plan": plan, "checkpoint_id": checkpoint_id,
+                           "storage_options": storage_options, "cap": self._cap})
+
+    def write(self, index: int, staged: StagedState, items: list[int]) -> cf.Future:
+        layout = self.arena.stage(staged, items, limit=self._cap)
+        return self._send({"op": "write", "index": index, "layout": layout, **self._where()}, self._private)
+
+    def commit(self, error: str | None) -> cf.Future:
+        return self._send({"op": "commit", "error": error})
+
+    def _where(self) -> dict:
+        """Where the helper finds the staged bytes: this process's private arena, or the shared one."""
+        if self._private:
+            return {"source": {"pid": os.getpid(), "address": self.arena.address, "size": self.arena.buffer.numel()}}
+        return {"arena": self.arena.shm_name, "arena_size": self.arena.buffer.numel()}
+
+    def _send(self, job: dict, reads_memory: bool = False) -> cf.Future:
+        outer: cf.Future = cf.Future()
+        helper = self.helper
+        self._handover.submit(_relay, outer, lambda: helper.submit(job, reads_memory=reads_memory))
+        return outer
+
+    def close(self) -> None:
+        """At exit: let the last save finish, stop the helper, free the shared staging memory."""
+        wait_for_last_save()
+        if self.helper is not None:
+            self.helper.close()
+        if self.arena is not None:
+            self.arena.close()
+
+
+_LOCAL: LocalPersister | None = None
+
+
+def local_persister() -> LocalPersister:
+    """This process's LocalPersister (started on first use, stopped at exit)."""
+    global _LOCAL
+    if _LOCAL is None:
+        _LOCAL = LocalPersister()
+        atexit.register(_LOCAL.close)
+    return _LOCAL

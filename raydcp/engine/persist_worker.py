@@ -1,4 +1,6 @@
-"""The helper process of :mod:`raydcp.engine.persist`: writes staged pieces, commits last.
+"""The helper process of :mod:`raydcp.engine.persist`: runs one save at a time as a
+:class:`~raydcp.engine.session.PersistSession` over the in-process transport (begin, write each
+batch, commit).
 
 The pieces are in a shared-memory arena (attached by name) or in the trainer's private arena
 (copied out with :func:`raydcp.engine.procmem.read_into`, one chunk of a file at a time).
@@ -13,11 +15,12 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..storage import CheckpointStorage
+from ..options import STAGING_ENV
+from ..transport import LocalTransport
 from . import procmem
 from .persist import lower_priority
-from .staging import STAGING_ENV
-from .save import StagedState, _reduce_commit, write_rank_files
+from .save import StagedState
+from .session import PersistSession
 
 
 def _attach(name: str, size: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
@@ -26,12 +29,12 @@ def _attach(name: str, size: int) -> tuple[shared_memory.SharedMemory, torch.Ten
     return shm, torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
 
 
-def _memory_reader(job: dict):
+def _memory_reader(job: dict, items):
     """``read(file, item, start, nbytes, address)`` over the trainer's private arena: only the
     staged range of each piece is ever read, and a failed read names the piece, the file and
     what to do."""
     pid, base, size = job["source"]["pid"], job["source"]["address"], job["source"]["size"]
-    layout, items = job["layout"], job["local_plan"].items
+    layout = job["layout"]
 
     def read(name: str, item: int, start: int, nbytes: int, address: int) -> None:
         off, length = layout[item]
@@ -49,37 +52,57 @@ def _memory_reader(job: dict):
     return read
 
 
-def _run(job: dict) -> Any:
-    plan = job["local_plan"]
-    storage = CheckpointStorage(job["checkpoint_id"], job["storage_options"])
-    if job.get("source") is not None:  # the trainer's private arena, read a chunk at a time
+class _Helper:
+    """The helper's one save in progress (saves arrive one after another)."""
+
+    def __init__(self) -> None:
+        self.session: PersistSession | None = None
+
+    def run(self, job: dict) -> Any:
+        op = job["op"]
+        if op == "begin":
+            self.session = PersistSession(LocalTransport(), job["checkpoint_id"], job["storage_options"],
+                                          job["local_plan"], job["cap"])
+            return self.session.begin()
+        session = self.session
+        if session is None:
+            raise CheckpointError(f"internal error: a {op!r} job without a save in progress; nothing was committed")
+        if op == "write":
+            return self._write(session, job)
+        self.session = None
+        if job.get("error") is not None:
+            session.fail(job["error"])
+        return session.commit()
+
+    @staticmethod
+    def _write(session: PersistSession, job: dict) -> bool:
+        if session.plan_error is not None:
+            return False
+        plan = session.local_plan
         data: list[Any] = [None] * len(plan.items)
-        records = write_rank_files(storage, job["write_plan"], StagedState(plan, data), _memory_reader(job))
-    else:  # a shared-memory arena, written from straight away
-        shm, arena = _attach(job["arena"], job["arena_size"])
+        if job.get("source") is not None:  # the trainer's private arena, read a chunk at a time
+            return session.write(job["index"], StagedState(plan, data), _memory_reader(job, plan.items))
+        shm, arena = _attach(job["arena"], job["arena_size"])  # a shared arena, written from straight away
         try:
-            data = [None] * len(plan.items)
             for i, (off, n) in job["layout"].items():
                 data[i] = arena.narrow(0, off, n)
-            records = write_rank_files(storage, job["write_plan"], StagedState(plan, data))
+            ok = session.write(job["index"], StagedState(plan, data))
             del data
+            return ok
         finally:
             del arena
             shm.close()
-    if job.get("header") is None:
-        return records
-    return _reduce_commit(job["checkpoint_id"], job["storage_options"],
-                          [(job["records"] + records, job["header"])])[0]
 
 
 def _serve(inbox: Connection, outbox: Connection) -> None:
+    helper = _Helper()
     while True:
         try:
             job = inbox.recv()
         except EOFError:
             return
         try:
-            outbox.send((job["id"], True, _run(job)))
+            outbox.send((job["id"], True, helper.run(job)))
         except CheckpointError as exc:
             outbox.send((job["id"], False, str(exc)))
         except Exception as exc:  # reported to the trainer, which raises it at result()
@@ -87,5 +110,5 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
 
 
 if __name__ == "__main__":
-    lower_priority()
+    lower_priority(int(sys.argv[3]) if len(sys.argv) > 3 else 19)
     _serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

@@ -14,16 +14,19 @@ import torch
 from ..codec import checksum, combine_block_checksums, crc32c_combine, itemsize, tensor_bytes, tensor_from_bytes
 from ..errors import CheckpointError
 from ..metadata import BLOCK_BYTES
+from ..options import DEFAULT_IO
 from ..planner import ChunkRead, Delivery, SourceChunk, byte_runs, merge_runs
 from ..state import TensorLeaf
 
 __all__ = ["ChunkReader", "FileChunkReader", "LiveChunkReader", "Deliverer", "check_shares"]
 
-POOL_MIN = 256 << 10    # whole chunks from this size on are read and verified in a thread pool ...
-TASK_BYTES = 8 << 20    # ... this many bytes per task (whole checksum blocks), overlapping reads with checks
-POOL_THREADS = 4
-BATCH_BYTES = 16 << 20  # smaller chunks of one file are read in batches of up to this many bytes
-assert TASK_BYTES % BLOCK_BYTES == 0
+# the read path's sizes (raydcp.options.IOOptions): whole chunks from POOL_MIN bytes on are read and
+# verified in POOL_THREADS threads, TASK_BYTES per task (whole checksum blocks), overlapping reads with
+# checks; smaller chunks of one file are read in batches of up to BATCH_BYTES
+POOL_MIN = DEFAULT_IO.read_pool_min
+TASK_BYTES = DEFAULT_IO.read_task_bytes
+POOL_THREADS = DEFAULT_IO.read_threads
+BATCH_BYTES = DEFAULT_IO.read_batch_bytes
 
 
 def _narrow(t: torch.Tensor, base, offsets, sizes) -> torch.Tensor:

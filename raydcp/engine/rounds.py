@@ -3,6 +3,9 @@
 A checkpoint that is not held in memory at once (a streaming reshard, a conversion) is
 written in rounds, each holding a bounded part of the state. The protocol:
 
+Steps 1 (plan) and 2 (write) of the save protocol (:mod:`raydcp.engine.protocol`) run once per
+round; the commit step runs once, for all rounds:
+
 1. the driver picks the checkpoint's save id ``base`` (:func:`new_save_id`, or the one a
    :class:`RoundJournal` resumes);
 2. for each round ``i``, every rank of a transport calls :func:`write_round` with the pieces
@@ -30,7 +33,6 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Mapping, Sequence
 
 from ..errors import CheckpointError, RankFailure
@@ -40,37 +42,38 @@ from ..planner.save import _tiling_problems
 from ..state import flatten_state
 from ..storage import CheckpointStorage
 from ..transport import Transport
-from .save import _name_storage_error, _reduce_save_plan, local_save_plan, write_rank_files
+from .protocol import StorageRecord, name_storage_error, plan_round
+from .save import local_save_plan, write_rank_files
 
 __all__ = ["RoundRecords", "new_save_id", "round_save_id", "write_round", "commit_rounds", "RoundJournal"]
-
-# a record: (round key, offsets, sizes, file, byte offset, nbytes, crc32c, block crcs), as write_rank_files
-Record = tuple
 
 
 @dataclass(frozen=True)
 class RoundRecords:
-    """What one round wrote: its save id, its tensors (by round key) and one record per piece."""
+    """What one round wrote: its save id, its tensors (by round key) and every rank's storage
+    records, as one :class:`~raydcp.engine.protocol.StorageRecord` (keys are round keys)."""
 
     save_id: str
     tensors: Mapping[str, TensorSpec]
-    records: tuple[Record, ...]
+    records: StorageRecord
 
     @property
     def nbytes(self) -> int:
-        return sum(r[5] for r in self.records)
+        return self.records.total_bytes
 
     def to_json(self) -> dict:
+        """The journal's form: one row per piece ``[key, offsets, sizes, file, byte offset, nbytes, crc, blocks]``."""
         return {"save_id": self.save_id,
                 "tensors": {k: [s.dtype, list(s.shape)] for k, s in self.tensors.items()},
-                "records": [[k, list(o), list(s), f, b, n, c, list(bl)] for k, o, s, f, b, n, c, bl in self.records]}
+                "records": [[k, list(o), list(s), f, b, n, c, list(bl)]
+                            for k, o, s, f, b, n, c, bl in self.records.rows()]}
 
     @classmethod
     def from_json(cls, obj: dict) -> "RoundRecords":
         return cls(obj["save_id"],
                    {k: TensorSpec(d, tuple(s)) for k, (d, s) in obj["tensors"].items()},
-                   tuple((k, tuple(o), tuple(s), f, int(b), int(n), int(c), tuple(bl))
-                         for k, o, s, f, b, n, c, bl in obj["records"]))
+                   StorageRecord.from_rows([(k, tuple(o), tuple(s), f, int(b), int(n), int(c), tuple(bl))
+                                            for k, o, s, f, b, n, c, bl in obj["records"]]))
 
 
 def new_save_id() -> str:
@@ -83,9 +86,10 @@ def round_save_id(base: str, index: int) -> str:
 
 
 def _reduce_round_records(values: Sequence[tuple]) -> list:
-    save_id, _, tensors, _ = values[0][1]
-    records = tuple(rec for recs, _ in values for rec in recs)
-    return [RoundRecords(save_id, dict(tensors), records)] + [None] * (len(values) - 1)
+    """The round's "commit" on the coordinator: gather every rank's records for rank 0, commit nothing."""
+    header = values[0][1]
+    records = StorageRecord.concat([recs for recs, _ in values])
+    return [RoundRecords(header.save_id, dict(header.tensors), records)] + [None] * (len(values) - 1)
 
 
 def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: str, *,
@@ -111,11 +115,11 @@ def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: 
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
     options = SavePlanOptions(save_id=save_id, max_file_bytes=max_file_bytes)
-    plan, header = transport.reduce_scatter("round: plan", local, partial(_reduce_save_plan, options))
+    plan, header = plan_round(transport, local, options, step="round: plan")
     try:
         written: Any = (write_rank_files(CheckpointStorage(checkpoint_id, storage_options), plan, staged), header)
     except Exception as exc:
-        written = RankFailure.from_exception(rank, _name_storage_error(exc, checkpoint_id))
+        written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     return transport.reduce_scatter("round: written", written, _reduce_round_records)
 
 
@@ -140,7 +144,7 @@ def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Seq
             if key not in tensors or tensors[key].dtype != spec.dtype or len(base) != len(tensors[key].shape):
                 problems.append(f"{rkey}: round {rnd.save_id} holds {spec.dtype}{list(spec.shape)}, which is no "
                                 f"part of any tensor of the checkpoint")
-        for rkey, offsets, sizes, file, off, nbytes, crc, blocks in rnd.records:
+        for rkey, offsets, sizes, file, off, nbytes, crc, blocks in rnd.records.rows():
             key, base = placement.get(rkey, (rkey, (0,) * len(offsets)))
             if key not in chunks:
                 continue  # reported above
@@ -223,8 +227,8 @@ class RoundJournal:
             except (CheckpointError, ValueError, KeyError, TypeError):
                 continue  # a torn journal entry: run the round again
             need: dict[str, int] = {}
-            for rec in rnd.records:
-                need[rec[3]] = max(need.get(rec[3], 0), rec[4] + rec[5])
+            for file, off, nbytes in zip(rnd.records.files, rnd.records.byte_offsets, rnd.records.nbytes):
+                need[file] = max(need.get(file, 0), off + nbytes)
             if all((sizes.setdefault(f, self.storage.file_size(f)) or 0) >= n for f, n in need.items()):
                 self.done[int(stem)] = rnd
 

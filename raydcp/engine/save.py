@@ -2,30 +2,32 @@
 from __future__ import annotations
 
 import ctypes
-import time
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import crc32c
 import numpy as np
 import torch
 
 from ..codec import checksum, combine_block_checksums
-from ..errors import CheckpointError, RankFailure
-from ..metadata import BLOCK_BYTES, ChunkColumns, Metadata, TensorMetas, encode_metadata
-from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
+from ..errors import RankFailure
+from ..metadata import BLOCK_BYTES, Metadata
+from ..options import DEFAULT_IO
+from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
 from ..transport import Transport
+from .protocol import StorageRecord, commit_round, name_storage_error, plan_round
 
 __all__ = ["save_with", "local_save_plan", "StagedState"]
 
 _ZEROS = bytes(ALIGN)
-PACK_MAX = 64 << 10      # host pieces up to this size are copied into shared write buffers ...
-PACK_BYTES = 4 << 20     # ... of up to this size: one write and no per-piece buffer for many small pieces
-WRITE_BYTES = 4 * BLOCK_BYTES  # a large piece is checksummed and written this many bytes at a time
-assert WRITE_BYTES % BLOCK_BYTES == 0
+# the write path's sizes (raydcp.options.IOOptions): small host pieces up to PACK_MAX are copied into
+# shared write buffers of up to PACK_BYTES; a large piece is checksummed and written WRITE_BYTES at a time
+PACK_MAX = DEFAULT_IO.pack_max
+PACK_BYTES = DEFAULT_IO.pack_bytes
+WRITE_BYTES = DEFAULT_IO.write_bytes
 
 
 class StagedState:
@@ -75,12 +77,6 @@ def local_save_plan(rank: int, flat: FlatState, *, compare_replicas: bool) -> St
         items.append(WriteItem(fqn, leaf.offsets, tuple(t.shape), t.nbytes, crc))
         sources.append(t)
     return StagedState(LocalSavePlan(rank, tensors, tuple(items), dict(flat.values)), tensors=sources)
-
-
-def _reduce_save_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan]) -> list:
-    gp = plan_save(local_plans, options)
-    header = (gp.save_id, gp.world_size, dict(gp.tensors), dict(gp.values))
-    return [(gp.ranks[r], header if r == 0 else None) for r in range(gp.world_size)]
 
 
 def _packable(t: torch.Tensor) -> bool:
@@ -179,8 +175,9 @@ def _file_layouts(files) -> list[tuple[str, list[int], list[int]]]:
 
 
 def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
-                     read: Callable[[str, int, int, int, int], None] | None = None) -> list[tuple]:
-    """Write this rank's files (in parallel) and return one storage record per piece.
+                     read: Callable[[str, int, int, int, int], None] | None = None) -> StorageRecord:
+    """Write this rank's files (in parallel) and return their storage record (step 2 of the
+    save protocol, :mod:`raydcp.engine.protocol`): one row per piece.
 
     Each file's pieces are checksummed in its writing thread as they are written
     (:func:`_file_buffers`), overlapped with the writes of the other files. ``read``, for
@@ -194,75 +191,15 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
     layouts = _file_layouts(plan.files)
     storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks,
                                              None if read is None else partial(read, name))
-                         for name, ids, offs in layouts})
-    records = []
-    for name, ids, offs in layouts:
-        for i, off in zip(ids, offs):
-            it = items[i]
-            records.append((it.key, it.offsets, it.sizes, name, off, it.nbytes, crcs[i], blocks[i]))
-    return records
-
-
-def _reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Sequence[tuple]) -> list:
-    header = values[0][1]
-    save_id, world_size, tensors, plain = header
-    md = Metadata(
-        save_id=save_id,
-        world_size=world_size,
-        created_at=time.time(),
-        tensors=_tensor_metas(tensors, [rec for records, _ in values for rec in records]),
-        values=plain,
-    )
-    storage = CheckpointStorage(checkpoint_id, storage_options)
-    storage.commit(encode_metadata(md))
-    # the files of earlier saves to this path are unreachable now: remove them
-    stale = [f for f in storage.list_files("data/") if not f.startswith(f"data/{save_id}/")]
-    if stale:
-        storage.remove_files(stale)
-    return [md] * len(values)
-
-
-def _tensor_metas(tensors: dict[str, TensorSpec], records: list[tuple]) -> TensorMetas:
-    """Every tensor's metadata from the ranks' storage records: one set of chunk columns for all
-    tensors (:class:`ChunkColumns`), grouped by tensor and each tensor's chunks sorted by offsets;
-    no object per chunk or per tensor."""
-    keys = list(tensors)
-    specs = list(tensors.values())
-    n = len(records)
-    width = max(1, *(len(s.shape) for s in specs)) if specs else 1
-    ndim = np.fromiter((len(s.shape) for s in specs), np.int64, len(specs))
-    if n == 0:
-        empty = np.zeros(0, np.int64)
-        cols = ChunkColumns(np.zeros(len(keys) + 1, np.int64), ndim, np.zeros((0, width), np.int64),
-                            np.ones((0, width), np.int64), [], empty, empty, empty, empty, np.zeros(0, np.uint32),
-                            np.zeros(1, np.int64))
-        return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
-    kid = {k: i for i, k in enumerate(keys)}
-    rkey, roff, rsize, rfile, rboff, rnbytes, rcrc, rblocks = zip(*records)
-    key = np.fromiter(map(kid.__getitem__, rkey), np.int64, n)
-    if all(len(o) == width for o in roff):
-        off, size = np.array(roff, np.int64).reshape(n, width), np.array(rsize, np.int64).reshape(n, width)
-    else:  # tensors of fewer dimensions: pad their boxes (offset 0, size 1)
-        off, size = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
-        for i, (o, sz) in enumerate(zip(roff, rsize)):
-            off[i, :len(o)], size[i, :len(sz)] = o, sz
-    names: dict[str, int] = {}
-    file = np.fromiter((names.setdefault(f, len(names)) for f in rfile), np.int64, n)
-    blen = np.fromiter(map(len, rblocks), np.int64, n)
-    bval = np.fromiter((b for bl in rblocks for b in bl), np.uint32, int(blen.sum()))
-    order = np.lexsort([off[:, d] for d in range(width - 1, -1, -1)] + [key])
-    start = np.zeros(n + 1, np.int64)
-    np.cumsum(blen, out=start[1:])
-    blen = blen[order]
-    if len(bval):
-        bval = bval[np.repeat(start[:-1][order] - (np.cumsum(blen) - blen), blen) + np.arange(len(bval))]
-    bounds = np.zeros(n + 1, np.int64)
-    np.cumsum(blen, out=bounds[1:])
-    key, off, size, file = key[order], off[order], size[order], file[order]
-    boff, nbytes, crc = (np.array(c, np.int64)[order] for c in (rboff, rnbytes, rcrc))
-    rows = np.searchsorted(key, np.arange(len(keys) + 1))
-    cols = ChunkColumns(rows, ndim, off, size, list(names), file, boff, nbytes, crc, bval, bounds)
-    return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
+                         for name, ids, offs in layouts}, max_workers=DEFAULT_IO.write_threads)
+    # one columnar record (no object per piece), in file order
+    ids = [i for _, file_ids, _ in layouts for i in file_ids]
+    pieces = [items[i] for i in ids]
+    return StorageRecord(
+        keys=[it.key for it in pieces], offsets=[it.offsets for it in pieces], sizes=[it.sizes for it in pieces],
+        files=[name for name, file_ids, _ in layouts for _ in file_ids],
+        byte_offsets=[off for _, _, offs in layouts for off in offs], nbytes=[it.nbytes for it in pieces],
+        crcs=[crcs[i] for i in ids], blocks=[blocks[i] for i in ids])
 
 
 def save_with(
@@ -273,13 +210,12 @@ def save_with(
     options: SavePlanOptions = SavePlanOptions(),
     staged: StagedState | None = None,
 ) -> Metadata:
-    """The save protocol for one rank (every rank of ``transport`` calls it together).
+    """The synchronous save for one rank (every rank of ``transport`` calls it together).
 
-    1. stage: flatten the state and describe it (local plan); 2. reduce_scatter
-    "plan": the coordinator validates and builds the global plan; 3. write this
-    rank's files; 4. reduce_scatter "commit": the coordinator writes the metadata
-    last, atomically, and every rank gets it back. Any failure on any rank fails
-    every rank with one CheckpointError and commits nothing.
+    Flattens the state into a local plan, then runs the save protocol of
+    :mod:`raydcp.engine.protocol`: plan, write (all of this rank's files at once),
+    commit. Any failure on any rank fails every rank with one CheckpointError and
+    commits nothing.
     """
     rank = transport.rank
     local: Any
@@ -289,17 +225,9 @@ def save_with(
         local = staged.plan
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
-    plan, header = transport.reduce_scatter("save: plan", local, partial(_reduce_save_plan, options))
+    plan, header = plan_round(transport, local, options)
     try:
-        records: Any = (write_rank_files(CheckpointStorage(checkpoint_id, storage_options), plan, staged), header)
+        written: Any = (write_rank_files(CheckpointStorage(checkpoint_id, storage_options), plan, staged), header)
     except Exception as exc:
-        records = RankFailure.from_exception(rank, _name_storage_error(exc, checkpoint_id))
-    return transport.reduce_scatter("save: commit", records, partial(_reduce_commit, checkpoint_id, storage_options))
-
-
-def _name_storage_error(exc: Exception, checkpoint_id: str) -> Exception:
-    if isinstance(exc, CheckpointError):
-        return exc
-    if isinstance(exc, OSError):
-        return CheckpointError(f"writing {checkpoint_id}: {exc}; check the path, permissions and free space")
-    return exc
+        written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
+    return commit_round(transport, written, checkpoint_id, storage_options)

@@ -7,7 +7,7 @@ non-blocking copies on a side stream (synchronized before staging returns, so th
 snapshot is complete); on the host the copies are plain memcpys.
 
 Where the arena lives, for ``async_save`` without a group (:func:`staging_mode`,
-``RAYDCP_STAGING``):
+``AsyncOptions.staging``, ``RAYDCP_STAGING``):
 
 - ``private`` (the default where it works): ordinary private memory of the training
   process, the kind a plain tensor copy writes to, so staging costs what a memcpy costs.
@@ -28,28 +28,25 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 from multiprocessing import shared_memory
 
 import torch
 
 from ..errors import CheckpointError
+from ..options import STAGING_ENV, STAGING_MODES
 from ..planner.save import ALIGN
 from . import procmem
 from .save import StagedState
 
-STAGING_ENV = "RAYDCP_STAGING"
-_MODES = ("shm", "private")
 _probed: list[str | None] = []  # the probe's answer, once per process
 log = logging.getLogger(__name__)
 
 
-def staging_mode() -> str:
-    """``"private"`` or ``"shm"``: where async_save (without a group) stages, from
-    ``RAYDCP_STAGING`` (unset: private where the probe passes, else shm)."""
-    asked = os.environ.get(STAGING_ENV, "").strip().lower()
-    if asked and asked not in _MODES:
-        raise CheckpointError(f"{STAGING_ENV}={asked!r} is not one of {', '.join(_MODES)} (or unset)")
+def staging_mode(asked: str | None = None) -> str:
+    """``"private"`` or ``"shm"``: where async_save (without a group) stages, as
+    ``AsyncOptions.staging`` asks (None: private where the probe passes, else shm)."""
+    if asked is not None and asked not in STAGING_MODES:
+        raise CheckpointError(f"{STAGING_ENV}={asked!r} is not one of {', '.join(STAGING_MODES)} (or unset)")
     if asked == "shm":
         return "shm"
     if not _probed:

@@ -8,7 +8,8 @@ JSON status record ``raydcp.status.json`` beside ``raydcp.meta`` in every copy (
 - pure parts, usable without Ray or storage: :mod:`.status` (record schema, encoding, state
   machine), :mod:`.policy` (tiers, retention, retries, load order);
 - :class:`PipelineDriver` (in :mod:`.driver`): the coordinator as a plain class; the Ray actor
-  lives in :mod:`raydcp.runtime.pipeline_actor` and is only imported when Ray is used.
+  lives in :mod:`raydcp.runtime.pipeline_actor`, which the API layer picks
+  (:func:`raydcp.api.pipeline_driver`) when Ray is used.
 """
 from __future__ import annotations
 

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from .. import engine
+from .. import api
 from ..errors import CheckpointError
 from ..metadata import Metadata
 from ..storage import CheckpointStorage, list_committed
@@ -123,18 +122,7 @@ class CheckpointPipeline:
         """The pipeline driver (started on first use): a PipelineDriver, or a proxy of the actor."""
         with self._lock:
             if self._driver is None:
-                kind = self._driver_kind
-                if kind == "auto":
-                    ray = sys.modules.get("ray")
-                    kind = "ray" if ray is not None and ray.is_initialized() else "local"
-                if kind == "ray":
-                    from ..runtime.pipeline_actor import RemoteDriver
-
-                    self._driver = RemoteDriver.start(self.config, max_restarts=self._max_restarts)
-                else:
-                    from .driver import PipelineDriver
-
-                    self._driver = PipelineDriver(self.config)
+                self._driver = api.pipeline_driver(self.config, self._driver_kind, max_restarts=self._max_restarts)
             return self._driver
 
     # ------------------------------------------------------------------ save
@@ -159,7 +147,7 @@ class CheckpointPipeline:
                 self._write_quietly(record)
         t0 = time.perf_counter()
         if self._async:
-            future = engine.async_save(state_dict, url, group=group, storage_options=tier0.options(),
+            future = api.async_save(state_dict, url, group=group, storage_options=tier0.options(),
                                        max_staging_bytes=self._max_staging_bytes)
             stall = time.perf_counter() - t0
             handle = PipelineSave(self, name, stall, tracked)
@@ -173,7 +161,7 @@ class CheckpointPipeline:
             return handle
         box: dict = {}
         try:
-            box["md"] = engine.save(state_dict, url, group=group, storage_options=tier0.options())
+            box["md"] = api.save(state_dict, url, group=group, storage_options=tier0.options())
         except CheckpointError as exc:
             box["error"] = exc
         stall = time.perf_counter() - t0
@@ -301,7 +289,7 @@ class CheckpointPipeline:
         for i in load_order(copies):
             url = self.tiers[i].copy_url(name)
             try:
-                stats = engine.load(state_dict, url, group=group, strict=strict, storage_options=self.tiers[i].options())
+                stats = api.load(state_dict, url, group=group, strict=strict, storage_options=self.tiers[i].options())
             except CheckpointError as exc:
                 log.warning("loading %s failed (%s); trying the next tier", url, exc)
                 fallbacks.append((url, " ".join(str(exc).split())))
@@ -353,9 +341,4 @@ def _unbox(box: dict) -> Metadata:
 
 
 def _node_id() -> str | None:
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return None
-    from ..runtime.pipeline_actor import current_node_id
-
-    return current_node_id()
+    return api.current_node_id()

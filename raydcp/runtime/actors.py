@@ -50,7 +50,7 @@ class _HostedCoordinator(Coordinator):
 class CoordinatorHost:
     """One actor per group name, hosting the :class:`Coordinator` of each of its operations.
 
-    Operations are numbered by the ranks (``Group.next_operation``); the host
+    Operations are numbered by the ranks (:mod:`raydcp.runtime.groups`); the host
     creates an operation's coordinator on its first call and drops it when the
     operation ends, so an operation costs no actor or process start. A failed
     operation is remembered for ``timeout_s``: a rank that comes late to it
@@ -74,7 +74,7 @@ class CoordinatorHost:
 
     def _named(self, op) -> tuple[str, int]:
         """``(group name, operation number)`` of an operation key: a number of this host's own group,
-        or ``(name, number)`` of a group hosted here (``Group.hosted_by``)."""
+        or ``(name, number)`` of a group hosted here (``RayTransport(..., host=)``)."""
         return op if isinstance(op, tuple) else (self.group_name, op)
 
     def _ended(self, op: int, rank: int, step: str):

@@ -4,7 +4,8 @@ Ranks are Ray actors or tasks (or the driver); the control plane goes through
 one coordinator per operation (``raydcp.runtime.coordinator``), hosted by one
 long-lived actor per group, the data plane through Ray's object store:
 
-1. ``RayTransport(group, op)`` (from ``Group.open_transport``) gets or creates
+1. ``RayTransport(group, op)`` (from :func:`open_transport`, which numbers the
+   operation, :mod:`raydcp.runtime.groups`) gets or creates
    the group's coordinator host ``raydcp:<group>`` in namespace ``raydcp`` (the
    first rank to get there creates it; later operations reuse it, so an
    operation costs no actor start); the host makes operation ``op``'s
@@ -37,10 +38,12 @@ import torch
 from ray import exceptions as rex
 
 from ..errors import CheckpointError, RankFailure
+from ..group import Group
 from ..transport import Transport, _unwrap, decode, encode, run_reduce
 from . import actors
+from .groups import next_operation
 
-__all__ = ["RayTransport"]
+__all__ = ["RayTransport", "open_transport"]
 
 # Slack on top of timeout_s for the driver-side wait on the coordinator, which
 # itself answers within timeout_s of a rank's arrival; this only catches a
@@ -82,14 +85,24 @@ def _check_last_close(group_name: str) -> None:
         pass
 
 
-class RayTransport(Transport):
-    """The transport of one operation of a :class:`raydcp.Group` whose ranks run on Ray."""
+def open_transport(group: Group, *, host: str | None = None) -> "RayTransport":
+    """The transport of this rank's next operation of ``group`` (numbered per process)."""
+    return RayTransport(group, next_operation(group), host=host)
 
-    def __init__(self, group, op: int):
+
+class RayTransport(Transport):
+    """The transport of operation ``op`` of a :class:`raydcp.Group` whose ranks run on Ray.
+
+    ``host``: run the operation in the coordinator host of that (long-lived) group name rather
+    than in the group's own: a ShardGroup runs each operation under a fresh group name and all
+    of them in one host, started once.
+    """
+
+    def __init__(self, group: Group, op: int, *, host: str | None = None):
         self.group = group
         # A group hosted by another group's host is told apart there by its name.
-        self._host_name = group._host or group.name
-        self.op = op if group._host is None else (group.name, op)
+        self._host_name = host or group.name
+        self.op = op if host is None else (group.name, op)
         self.rank = group.rank
         self.world_size = group.world_size
         self._timeout_s = float(group.timeout_s)

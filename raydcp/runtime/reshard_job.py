@@ -39,6 +39,7 @@ from ..group import Group
 from ..reshard import ReshardOptions, ReshardResult, RoundTask, reshard_with, run_round
 from ..reshard.rank import release_round_memory, return_freed_memory
 from ..reshard.args import add_reshard_arguments, options_from_args, storage_options_from_args
+from .ray_transport import open_transport
 
 __all__ = ["RayExecutor", "reshard_on_ray", "build_parser", "main"]
 
@@ -57,7 +58,7 @@ def _rank_round(state: dict, name: str, rank: int, world_size: int, timeout_s: f
     transport = _TRANSPORTS.get(name)
     if transport is None:
         return_freed_memory()
-        transport = _TRANSPORTS[name] = Group(name, rank, world_size, timeout_s=timeout_s).open_transport()
+        transport = _TRANSPORTS[name] = open_transport(Group(name, rank, world_size, timeout_s=timeout_s))
     try:
         return run_round(transport, task)
     except CheckpointError as exc:  # the operation failed on every rank: it cannot go on

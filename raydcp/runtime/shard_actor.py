@@ -15,13 +15,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..engine import load as _load
-from ..engine import save as _save
-from ..engine import transfer as _transfer
+from ..engine import load_with, save_with, transfer_with
 from ..errors import CheckpointError
 from ..group import Group
 from ..state import Shard
+from ..transport import Transport
 from .layouts import Specs, empty_state
+from .ray_transport import RayTransport
 
 __all__ = ["ShardActor"]
 
@@ -53,7 +53,8 @@ class ShardActor:
         def run():
             rank, world_size = group[1], group[2]
             state = self._empty(*fresh, rank, world_size) if fresh is not None else self._state(slot)
-            _load(state, checkpoint_id, group=self._op_group(group), strict=strict, storage_options=storage_options)
+            self._run(group, lambda t: load_with(t, state, checkpoint_id, strict=strict,
+                                                 storage_options=storage_options))
             self._keep(slot, state)
             return None
 
@@ -62,7 +63,7 @@ class ShardActor:
     def save(self, slot: str, group: GroupSpec, checkpoint_id: str, storage_options: dict | None):
         """Save group ``slot``'s state; rank 0 returns the Metadata (the others None, to ship it once)."""
         def run():
-            md = _save(self._state(slot), checkpoint_id, group=self._op_group(group), storage_options=storage_options)
+            md = self._run(group, lambda t: save_with(t, self._state(slot), checkpoint_id, storage_options))
             return md if group[1] == 0 else None
 
         return self._outcome(run)
@@ -70,7 +71,7 @@ class ShardActor:
     def send(self, slot: str, group: GroupSpec):
         """Serve group ``slot``'s pieces to a transfer (in-memory reshard) as a source rank."""
         def run():
-            _transfer(self._state(slot), None, group=self._op_group(group))
+            self._run(group, lambda t: transfer_with(t, self._state(slot), None))
             return None
 
         return self._outcome(run)
@@ -86,7 +87,7 @@ class ShardActor:
                 state = ready[1]
             else:
                 state = self._empty(specs, value_keys, layout, rank, world_size)
-            _transfer(self._state(source) if source is not None else None, state, group=self._op_group(group))
+            self._run(group, lambda t: transfer_with(t, self._state(source) if source is not None else None, state))
             self._keep(slot, state)
             return None
 
@@ -145,14 +146,20 @@ class ShardActor:
     def _empty(self, specs: Specs, value_keys: Iterable[str], layout: str, rank: int, world_size: int) -> dict:
         return empty_state(specs, value_keys, layout, rank, world_size, self.device)
 
-    def _op_group(self, group: GroupSpec) -> Group:
-        """The Group of the operation ``group`` describes, in the ShardGroup's coordinator host if it names one."""
-        g = self._group(*group[:4])
-        return g.hosted_by(group[4]) if len(group) > 4 and group[4] else g
+    def _run(self, group: GroupSpec, step: Callable[[Transport], Any]) -> Any:
+        """Run ``step`` over the transport of the operation ``group`` describes (closed after it)."""
+        transport = self._open(group)
+        try:
+            return step(transport)
+        finally:
+            transport.close()
 
-    def _group(self, name: str, rank: int, world_size: int, timeout_s: float) -> Group:
-        """The Group of one operation (subclasses may wrap it, e.g. to inject faults in tests)."""
-        return Group(name, rank, world_size, timeout_s=timeout_s)
+    def _open(self, group: GroupSpec) -> Transport:
+        """The transport of the operation ``group`` describes: its only operation (a fresh group name
+        per operation), in the ShardGroup's coordinator host if it names one (subclasses may wrap it,
+        e.g. to inject faults in tests)."""
+        g = Group(*group[:3], timeout_s=group[3])
+        return RayTransport(g, 0, host=group[4] if len(group) > 4 and group[4] else None)
 
     @staticmethod
     def _outcome(fn: Callable[[], Any]) -> Any:

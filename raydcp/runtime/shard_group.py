@@ -13,7 +13,7 @@ actors, and of the driver itself for ``full_state_dict``):
    held pieces in place (``strict`` as in ``raydcp.load``).
 3. ``save(checkpoint_id)``: a collective ``raydcp.save`` of the held pieces.
 4. ``reshard(M2)``: a new ShardGroup of M2 ranks receives the state from this one
-   through the object store (``raydcp.engine.transfer``), no storage round trip.
+   through the object store (``raydcp.engine.transfer_with``), no storage round trip.
    The new group keeps this group's actors where they already hold the most of
    their new pieces (``layouts.reuse_ranks``; those bytes are copied within the
    actor), so it starts actors only for the ranks it adds, and a 4 -> 6 reshard
@@ -27,7 +27,7 @@ actors, and of the driver itself for ``full_state_dict``):
 
 Every operation runs under a fresh group name, so a failed one never leaves the
 next out of step, and all of them in the group's one coordinator host actor,
-started in the background with the group (``Group.hosted_by``) and shared with
+started in the background with the group (``RayTransport(..., host=)``) and shared with
 the groups its reshards make: an operation starts no actor. The driver gathers each actor's outcome and raises one
 ``CheckpointError`` naming the failed, dead or stuck ranks; once an actor died
 the group refuses further operations (load the last checkpoint into a new one).
@@ -44,11 +44,12 @@ from typing import Any, Callable
 import ray
 from ray import exceptions as rex
 
-from ..engine import read_metadata, transfer
+from ..engine import read_metadata, transfer_with
 from ..errors import CheckpointError
 from ..group import Group
 from .layouts import check_layout, empty_state, reuse_ranks
 from .members import Host, Member, start_members
+from .ray_transport import RayTransport
 from .shard_actor import ShardActor
 
 __all__ = ["ShardGroup"]
@@ -306,7 +307,11 @@ class ShardGroup:
         dest = empty_state(specs, keys, "replicated", 0, 1, "cpu")
         mine: CheckpointError | None = None
         try:
-            transfer(None, dest, group=Group(*spec(n)[:3], timeout_s=self.timeout_s).hosted_by(self._host.name))
+            transport = RayTransport(Group(*spec(n)[:3], timeout_s=self.timeout_s), 0, host=self._host.name)
+            try:
+                transfer_with(transport, None, dest)
+            finally:
+                transport.close()
         except CheckpointError as exc:
             mine = exc
         self._gather("full_state_dict()", refs, local={n: mine}, note=f"rank {n}: the driver")

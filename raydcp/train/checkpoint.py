@@ -32,7 +32,7 @@ from typing import Any
 
 import ray.train
 
-from .. import engine
+from .. import api
 from ..engine.background import SaveFuture
 from ..errors import CheckpointError
 from ..group import Group
@@ -155,10 +155,10 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     t0 = time.perf_counter()
     if async_save:
         cap = None if max_staging_bytes is None else int(max_staging_bytes) // ctx.get_local_world_size()
-        future = engine.async_save(state, url, group=group, storage_options=options, max_staging_bytes=cap)
+        future = api.async_save(state, url, group=group, storage_options=options, max_staging_bytes=cap)
         stall = time.perf_counter() - t0
     else:
-        md = engine.save(state, url, group=group, storage_options=options)
+        md = api.save(state, url, group=group, storage_options=options)
         stall = time.perf_counter() - t0
 
     reported = dict(metrics or {})
@@ -227,10 +227,10 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     if checkpoint is None:
         return False
     url, options = fsspec_location(checkpoint.filesystem, checkpoint.path, storage_options)
-    md = engine.read_metadata(url, storage_options=options)
+    md = api.read_metadata(url, storage_options=options)
     for prefix, ts in _train_states(state):
         ts.prepare_restore(md, prefix)
-    engine.load(state, url, group=group, strict=strict, storage_options=options)
+    api.load(state, url, group=group, strict=strict, storage_options=options)
     return True
 
 

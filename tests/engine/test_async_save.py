@@ -13,7 +13,7 @@ import torch
 import raydcp
 from raydcp import CheckpointError
 from raydcp.engine import background as async_mod
-from raydcp.engine import procmem
+from raydcp.engine import persist, procmem
 
 MODES = ["shm", pytest.param("private", marks=pytest.mark.skipif(
     not procmem.SUPPORTED or procmem.probe() is not None, reason="no process_vm_readv from a child here"))]
@@ -28,7 +28,7 @@ def staging(request, monkeypatch):
 
 def test_the_arena_is_where_the_mode_says(tmp_path, staging):
     raydcp.async_save(state(1.0), tmp_path / "a").result(timeout=120)
-    assert async_mod._arena.shared == (staging == "shm")
+    assert persist.local_persister().arena.shared == (staging == "shm")
 
 
 def state(value: float, n: int = 1000):
@@ -54,11 +54,11 @@ def test_snapshot_semantics_mutation_after_return_does_not_leak_in(tmp_path):
 
 def test_saves_stay_ordered_and_staging_memory_is_reused(tmp_path):
     futs = [raydcp.async_save(state(float(i)), tmp_path / "same") for i in range(4)]
-    allocations = async_mod._arena.allocations
+    allocations = persist.local_persister().arena.allocations
     assert [f.result(timeout=120).values["step"] for f in futs] == [0, 1, 2, 3]
     assert loaded(tmp_path / "same")["step"] == 3
     raydcp.async_save(state(9.0), tmp_path / "again").result(timeout=120)
-    assert async_mod._arena.allocations == allocations  # same sizes: the arena was reused
+    assert persist.local_persister().arena.allocations == allocations  # same sizes: the arena was reused
 
 
 def test_errors_surface_at_result(tmp_path):
@@ -76,7 +76,7 @@ def test_crash_of_the_persisting_process_keeps_the_previous_checkpoint(tmp_path)
     raydcp.async_save(state(1.0), tmp_path / "ck").result(timeout=120)
     big = {"w": torch.full((4000, 4000), 2.0), "b": torch.zeros(7), "step": 2}  # 64 MB: still writing when killed
     fut = raydcp.async_save(big, tmp_path / "ck")
-    os.kill(async_mod._persister.pid, signal.SIGKILL)
+    os.kill(persist.local_persister().helper.pid, signal.SIGKILL)
     with pytest.raises(CheckpointError, match="died .* previous checkpoint at that path is intact"):
         fut.result(timeout=120)
     got = loaded(tmp_path / "ck")
@@ -89,7 +89,7 @@ def test_staging_cap_stages_in_pieces(tmp_path):
     sd = {f"t{i}": torch.full((256,), float(i)) for i in range(40)}  # 40 KiB in 1 KiB pieces
     fut = raydcp.async_save(sd, tmp_path / "cap", max_staging_bytes=8 << 10)
     md = fut.result(timeout=120)
-    assert async_mod._arena.buffer.numel() <= 8 << 10  # the staging memory stayed under the cap
+    assert persist.local_persister().arena.buffer.numel() <= 8 << 10  # the staging memory stayed under the cap
     assert len(md.files) >= 5  # written in several pieces, each under the cap
     got = {f"t{i}": torch.zeros(256) for i in range(40)}
     raydcp.load(got, tmp_path / "cap")
@@ -100,5 +100,5 @@ def test_staging_cap_stages_in_pieces(tmp_path):
 
 def test_the_persisting_process_runs_at_a_lower_cpu_priority(tmp_path):
     raydcp.async_save({"w": torch.ones(8)}, tmp_path / "nice").result(timeout=60)
-    pid = async_mod._persister.pid
+    pid = persist.local_persister().helper.pid
     assert os.getpriority(os.PRIO_PROCESS, pid) >= os.getpriority(os.PRIO_PROCESS, 0) + 10

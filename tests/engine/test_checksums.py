@@ -129,12 +129,10 @@ def test_reads_given_as_chunk_objects_take_the_same_paths(tmp_path, monkeypatch)
 
 
 def test_commit_builds_sorted_chunk_tables_from_records():
-    import sys
-
     from raydcp.metadata import Metadata, decode_metadata, encode_metadata
     from raydcp.planner import TensorSpec
 
-    tensor_metas = sys.modules["raydcp.engine.save"]._tensor_metas
+    from raydcp.engine.protocol import StorageRecord, tensor_metas
     tensors = {"w": TensorSpec("float32", (4, 2)), "b": TensorSpec("uint8", (3 * MIB,)),
                "s": TensorSpec("int64", ()), "e": TensorSpec("float32", (0, 3)), "b2": TensorSpec("uint8", (2 * MIB,))}
     records = [("w", (2, 0), (2, 2), "f1", 64, 16, 11, ()),
@@ -142,7 +140,7 @@ def test_commit_builds_sorted_chunk_tables_from_records():
                ("b", (0,), (3 * MIB,), "f0", 0, 3 * MIB, 5, (1, 2, 3)),
                ("w", (0, 0), (2, 2), "f0", 3 * MIB, 16, 12, ()),
                ("s", (), (), "f1", 0, 8, 13, ())]
-    tm = tensor_metas(tensors, records)
+    tm = tensor_metas(tensors, [StorageRecord.from_rows(records[:2]), StorageRecord.from_rows(records[2:])])
     assert list(tm) == list(tensors)
     assert [(c.offsets, c.file, c.byte_offset, c.checksum) for c in tm["w"].chunks] == [
         ((0, 0), "f0", 3 * MIB, 12), ((2, 0), "f1", 64, 11)]

@@ -12,7 +12,7 @@ import torch
 import raydcp
 from raydcp import CheckpointError
 from raydcp.engine import background as async_mod
-from raydcp.engine import persist_worker, procmem, staging
+from raydcp.engine import persist, persist_worker, procmem, staging
 
 needs_reads = pytest.mark.skipif(not procmem.SUPPORTED or procmem.probe() is not None,
                                  reason="no process_vm_readv from a child here")
@@ -76,7 +76,7 @@ def test_bit_exact_round_trip_of_many_dtypes_and_layouts(tmp_path, monkeypatch, 
         if isinstance(v, torch.Tensor) and v.numel():
             v[(0,) * v.dim()] = 1 if v.dtype == torch.bool else 7  # after the call: must not leak in
     fut.result(timeout=120)
-    assert async_mod._arena.shared == (mode == "shm")
+    assert persist.local_persister().arena.shared == (mode == "shm")
     got = load_like(want, tmp_path / "ck")
     assert got["step"] == 11
     bad = [k for k, v in want.items() if isinstance(v, torch.Tensor) and not same_bits(got[k], v)]
@@ -88,11 +88,11 @@ def test_private_arena_is_reused_for_same_size_saves(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYDCP_STAGING", "private")
     sd = {"w": torch.randn(1 << 20), "b": torch.randn(33)}
     raydcp.async_save(sd, tmp_path / "a").result(timeout=120)
-    arena, allocations, address = async_mod._arena, async_mod._arena.allocations, async_mod._arena.address
+    arena, allocations, address = persist.local_persister().arena, persist.local_persister().arena.allocations, persist.local_persister().arena.address
     for i in range(3):
         sd["w"].add_(1)
         raydcp.async_save(sd, tmp_path / "a").result(timeout=120)
-    assert async_mod._arena is arena and arena.allocations == allocations and arena.address == address
+    assert persist.local_persister().arena is arena and arena.allocations == allocations and arena.address == address
     assert same_bits(load_like(sd, tmp_path / "a")["w"], sd["w"])
 
 
@@ -100,7 +100,7 @@ def test_a_failing_probe_falls_back_to_shared_memory_and_says_why_once(tmp_path,
     with caplog.at_level(logging.INFO, logger="raydcp.engine.staging"):
         for i in range(2):
             raydcp.async_save({"w": torch.full((100,), float(i))}, tmp_path / "ck").result(timeout=120)
-    assert async_mod._arena.shared
+    assert persist.local_persister().arena.shared
     said = [r.getMessage() for r in caplog.records if "shared memory" in r.getMessage()]
     assert len(said) == 1 and "simulated: Operation not permitted" in said[0]
     got = {"w": torch.zeros(100)}
@@ -123,7 +123,7 @@ def test_a_failed_read_is_an_error_at_result_naming_key_and_file_and_commits_not
     monkeypatch.setenv("RAYDCP_STAGING", "private")
     raydcp.async_save({"w": torch.ones(1000), "step": 1}, tmp_path / "ck").result(timeout=120)
     # the helper is told the arena starts at an address that is not mapped: every read fails
-    monkeypatch.setattr(type(async_mod._arena), "address", property(lambda self: 4096))
+    monkeypatch.setattr(type(persist.local_persister().arena), "address", property(lambda self: 4096))
     fut = raydcp.async_save({"w": torch.full((1000,), 2.0), "step": 2}, tmp_path / "ck")
     with pytest.raises(CheckpointError, match=r"staged bytes of w for data/\S+ from the training process .*"
                                               r"nothing was committed.*RAYDCP_STAGING=shm"):
@@ -139,7 +139,7 @@ def test_the_helper_reads_only_inside_the_staged_ranges():
     job = {"source": {"pid": os.getpid(), "address": ctypes.addressof(src), "size": 256},
            "layout": {0: (0, 100), 1: (128, 64)},
            "local_plan": type("Plan", (), {"items": [type("It", (), {"key": k})() for k in ("a", "b")]})()}
-    read = persist_worker._memory_reader(job)
+    read = persist_worker._memory_reader(job, job["local_plan"].items)
     dst = ctypes.create_string_buffer(64)
     read("f", 1, 0, 64, ctypes.addressof(dst))
     assert dst.raw == bytes(range(128, 192))

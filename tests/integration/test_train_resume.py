@@ -61,12 +61,12 @@ def lost_persister_loop(config: dict) -> None:
     import ray
     import ray.train
 
-    import raydcp.engine
+    import raydcp.api
     from raydcp.runtime.persister import persister_for_this_process
 
     ctx = ray.train.get_context()
     if ctx.get_world_rank() == ctx.get_world_size() - 1 and not os.path.exists(config["flag"]):
-        async_save = raydcp.engine.async_save
+        async_save = raydcp.api.async_save
 
         def save_then_lose_persister(*args, **kwargs):
             future = async_save(*args, **kwargs)
@@ -74,7 +74,7 @@ def lost_persister_loop(config: dict) -> None:
             ray.kill(persister_for_this_process().actor, no_restart=True)
             return future
 
-        raydcp.engine.async_save = save_then_lose_persister
+        raydcp.api.async_save = save_then_lose_persister
     _TRAIN_LOOP(config)
 
 

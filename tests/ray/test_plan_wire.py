@@ -7,7 +7,8 @@ import torch
 
 import raydcp
 from raydcp.engine.load import local_load_plan
-from raydcp.engine.save import _reduce_save_plan, local_save_plan
+from raydcp.engine.protocol import reduce_plan
+from raydcp.engine.save import local_save_plan
 from raydcp.planner import LocalSavePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
 from raydcp.state import flatten_state
 from raydcp.transport import Wire, decode, encode
@@ -35,9 +36,9 @@ def test_save_plan_travels_as_columns_and_decodes_equal():
         assert type(g) is LocalSavePlan and g.rank == p.rank and g.values == p.values
         assert len(g.items) == len(p.items)
     # the planner's array path never builds the items or the specs of ranks other than 0
-    out = _reduce_save_plan(SavePlanOptions(save_id="s"), got)
+    out = reduce_plan(SavePlanOptions(save_id="s"), got)
     assert all(g.items._objs is None for g in got) and all(g.tensors._dict is None for g in got[1:])
-    assert out == _reduce_save_plan(SavePlanOptions(save_id="s"), plans)
+    assert out == reduce_plan(SavePlanOptions(save_id="s"), plans)
     # built on demand, they equal the originals
     for p, g in zip(plans, got):
         assert g.items == p.items and tuple(g.items) == tuple(p.items) and dict(g.tensors) == dict(p.tensors)

@@ -4,6 +4,7 @@ import sys
 import numpy as np
 import torch
 
+from raydcp.engine.protocol import StorageRecord, tensor_metas
 from raydcp.metadata import ChunkColumns, Metadata, TensorMeta, decode_metadata, encode_metadata
 from raydcp.planner import SavePlanOptions, chunk_tables, plan_save
 from raydcp.state import flatten_state
@@ -35,7 +36,7 @@ def test_planner_tables_view_one_set_of_columns_and_encode_as_the_commit_step_do
     assert len(cols) == 1 and isinstance(next(iter(tables.values())).origin[0], ChunkColumns)
     tensors = {k: TensorMeta(s.dtype, s.shape, tables[k]) for k, s in gp.tensors.items()}
     from_tables = encode_metadata(Metadata("t", 1, 0.0, tensors, {}))
-    committed = save_engine._tensor_metas(dict(gp.tensors), _records(gp, lps, crcs))
+    committed = tensor_metas(dict(gp.tensors), [StorageRecord.from_rows(_records(gp, lps, crcs))])
     assert encode_metadata(Metadata("t", 1, 0.0, committed, {})) == from_tables
     # and the same as encoding per-chunk objects
     objects = {k: TensorMeta(t.dtype, t.shape, tuple(t.chunks)) for k, t in tensors.items()}

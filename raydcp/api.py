@@ -1,0 +1,183 @@
+"""The public save / load / async_save / read_metadata, and where a call's machinery is chosen.
+
+The engine (:mod:`raydcp.engine`) runs one rank's part of a save or load over whatever
+:class:`~raydcp.transport.Transport` and :class:`~raydcp.engine.background.AsyncPersister` it is
+handed, as DCP's ``_save_state_dict`` takes its ``_DistWrapper``; it never imports Ray. This
+layer picks them, in one function, :func:`resolve_group`:
+
+- ``group=None``: one participant; the in-process :class:`~raydcp.transport.LocalTransport`,
+  and for ``async_save`` this process's helper-process persister
+  (:class:`~raydcp.engine.persist.LocalPersister`);
+- a :class:`~raydcp.Group`: the Ray transport of the group's next operation and the persister
+  actor beside this rank (:mod:`raydcp.runtime`, imported on first use).
+
+(:class:`~raydcp.transport.ThreadTransport`, N ranks as threads of one process, is handed to
+the engine's ``*_with`` functions directly, by tests and tools.) The options of a call are read
+here too, once (:class:`~raydcp.options.AsyncOptions`, with the ``RAYDCP_*`` overrides), and
+so is the pipeline's Ray driver (:func:`pipeline_driver`).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .engine.background import AsyncPersister, SaveFuture, failed_save, start_async_save
+from .engine.load import LoadStats, load_with, read_metadata, transfer_with
+from .engine.save import save_with
+from .errors import CheckpointError
+from .group import Group
+from .metadata import Metadata
+from .options import AsyncOptions
+from .transport import LocalTransport, Transport
+
+__all__ = ["save", "load", "async_save", "read_metadata", "transfer", "resolve_group", "GroupBinding",
+           "prepare_group", "pipeline_driver", "current_node_id"]
+
+
+@dataclass(frozen=True)
+class GroupBinding:
+    """What one call of the public API runs over: made by :func:`resolve_group`.
+
+    ``open_transport()`` opens the transport of the call's operation (for a Ray group this
+    numbers the operation, so call it once per operation); ``persister(options)`` is the
+    asynchronous persister of this rank.
+    """
+
+    group: Group | None
+    open_transport: Callable[[], Transport]
+    persister: Callable[[AsyncOptions], AsyncPersister]
+
+
+def resolve_group(group: Group | None) -> GroupBinding:
+    """The transport and persister for a call with ``group``: the one place that picks them."""
+    if group is None:
+        from .engine.persist import local_persister
+
+        return GroupBinding(None, LocalTransport, lambda options: local_persister())
+    if not isinstance(group, Group):
+        raise CheckpointError(f"group must be a raydcp.Group or None, got {type(group).__name__}")
+    from .runtime.persister import RayPersister, persister_for_this_process
+    from .runtime.ray_transport import open_transport
+
+    return GroupBinding(group, lambda: open_transport(group),
+                        lambda options: RayPersister(group, persister_for_this_process(options.persist_nice)))
+
+
+def prepare_group(group: Group, *, async_save: bool = False) -> None:
+    """``Group.prepare``: start the group's coordinator host (and this rank's persister actor)."""
+    if group.world_size > 1:
+        from .runtime.actors import prepare_coordinator
+
+        prepare_coordinator(group.name, group.world_size, group.rank)
+    if async_save:
+        from .runtime.persister import persister_for_this_process
+
+        persister_for_this_process(AsyncOptions.from_env().persist_nice).prepare()
+
+
+def _checkpoint_id(checkpoint_id: Any) -> str:
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if not isinstance(checkpoint_id, str) or not checkpoint_id:
+        raise CheckpointError(f"checkpoint_id must be a path or fsspec URL, got {checkpoint_id!r}")
+    return checkpoint_id
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector: planning allocates many small objects and none of
+    them form cycles that need collecting mid-operation (halves the time for many small tensors)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
+         storage_options: dict | None = None) -> Metadata:
+    """Save ``state_dict`` (this rank's part of it) as one checkpoint; returns its metadata."""
+    ckpt = _checkpoint_id(checkpoint_id)
+    transport = resolve_group(group).open_transport()
+    try:
+        with _gc_paused():
+            return save_with(transport, state_dict, ckpt, storage_options)
+    finally:
+        transport.close()
+
+
+def load(state_dict: dict, checkpoint_id, *, group: Group | None = None, strict: bool = True,
+         storage_options: dict | None = None) -> LoadStats:
+    """Fill the tensors of ``state_dict`` in place (and replace its plain values) from a checkpoint."""
+    ckpt = _checkpoint_id(checkpoint_id)
+    transport = resolve_group(group).open_transport()
+    try:
+        with _gc_paused():
+            return load_with(transport, state_dict, ckpt, strict=strict, storage_options=storage_options)
+    finally:
+        transport.close()
+
+
+def transfer(source_state: dict | None, dest_state: dict | None, *, group: Group, strict: bool = True) -> LoadStats:
+    """In-memory reshard between live ranks of ``group`` (see :func:`raydcp.engine.load.transfer_with`)."""
+    transport = resolve_group(group).open_transport()
+    try:
+        return transfer_with(transport, source_state, dest_state, strict=strict)
+    finally:
+        transport.close()
+
+
+def async_save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
+               storage_options: dict | None = None, max_staging_bytes: int | None = None) -> SaveFuture:
+    """Stage ``state_dict`` to host memory, return, and persist it in the background.
+
+    Returns once every piece is copied (later in-place updates do not leak in);
+    the writing runs in a helper process (``group=None``) or a persister actor
+    beside this rank (a Ray group), never on this process's GIL. Saves stay
+    ordered: a call waits until the previous one finished. ``max_staging_bytes``
+    (default: ``RAYDCP_MAX_STAGING_BYTES`` or unlimited) caps this rank's staging
+    memory (give every rank of a group the same cap); above it the state is
+    staged and written in pieces, and the call returns when the last piece is
+    staged. Errors, bad options included, surface at ``result()``.
+    """
+    ckpt = _checkpoint_id(checkpoint_id)
+    binding = resolve_group(group)
+    try:
+        options = AsyncOptions.from_env(max_staging_bytes=max_staging_bytes)
+        persister = binding.persister(options)
+    except CheckpointError as exc:
+        return failed_save(exc)
+    return start_async_save(persister, state_dict, ckpt, storage_options, options)
+
+
+# -- the pipeline's driver -----------------------------------------------------------------------
+def pipeline_driver(config, kind: str, *, max_restarts: int = 3):
+    """The driver of a :class:`raydcp.pipeline.CheckpointPipeline`: ``"ray"`` a named actor
+    (:class:`raydcp.runtime.pipeline_actor.RemoteDriver`), ``"local"`` a thread of this process,
+    ``"auto"`` the former when Ray is initialized."""
+    if kind == "auto":
+        ray = sys.modules.get("ray")
+        kind = "ray" if ray is not None and ray.is_initialized() else "local"
+    if kind == "ray":
+        from .runtime.pipeline_actor import RemoteDriver
+
+        return RemoteDriver.start(config, max_restarts=max_restarts)
+    from .pipeline.driver import PipelineDriver
+
+    return PipelineDriver(config)
+
+
+def current_node_id() -> str | None:
+    """The Ray node this process runs on, or None without Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    from .runtime.pipeline_actor import current_node_id as node_id
+
+    return node_id()

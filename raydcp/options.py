@@ -1,0 +1,129 @@
+"""Tuning options, read once at the API edge, and the ``RAYDCP_*`` environment overrides.
+
+Options are frozen, keyword-only dataclasses validated when built (a bad value is a
+:class:`~raydcp.errors.CheckpointError` naming the option). The environment variables below are
+documented overrides, parsed here and nowhere else; an explicit keyword argument wins over them:
+
+- ``RAYDCP_STAGING`` (``private`` | ``shm``): where ``async_save`` without a group stages
+  (:class:`AsyncOptions.staging`);
+- ``RAYDCP_MAX_STAGING_BYTES``: the staging cap per rank (:class:`AsyncOptions.max_staging_bytes`);
+- ``RAYDCP_PERSIST_NICE``: how far the persisting process lowers its CPU priority
+  (:class:`AsyncOptions.persist_nice`; 0 leaves it).
+
+:class:`IOOptions` holds the write and read path's sizes and thread counts (the engine's
+defaults are :data:`DEFAULT_IO`); the save plan's options stay in
+:class:`raydcp.planner.SavePlanOptions`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from .errors import CheckpointError
+from .metadata import BLOCK_BYTES
+
+__all__ = ["AsyncOptions", "IOOptions", "DEFAULT_IO", "STAGING_ENV", "MAX_STAGING_BYTES_ENV", "PERSIST_NICE_ENV",
+           "STAGING_MODES"]
+
+STAGING_ENV = "RAYDCP_STAGING"
+MAX_STAGING_BYTES_ENV = "RAYDCP_MAX_STAGING_BYTES"
+PERSIST_NICE_ENV = "RAYDCP_PERSIST_NICE"
+STAGING_MODES = ("shm", "private")
+MIN_STAGING_BYTES = 1 << 10
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncOptions:
+    """How ``async_save`` stages and persists.
+
+    ``staging``: ``"private"`` (the trainer's own memory, read by the helper process),
+    ``"shm"`` (shared memory), or None: private where this process allows it, else shm.
+    ``max_staging_bytes``: cap on one rank's staging memory (None: unlimited); above it the
+    state is staged and written in batches of whole files. ``persist_nice``: the nice value
+    step the persisting process takes (19: lowest priority; 0: none).
+    """
+
+    staging: str | None = None
+    max_staging_bytes: int | None = None
+    persist_nice: int = 19
+
+    def __post_init__(self) -> None:
+        if self.staging is not None and self.staging not in STAGING_MODES:
+            raise CheckpointError(f"{STAGING_ENV}={self.staging!r} is not one of {', '.join(STAGING_MODES)} (or unset)")
+        cap = self.max_staging_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < MIN_STAGING_BYTES):
+            raise CheckpointError(f"max_staging_bytes must be at least 1 KiB, got {cap}")
+        if isinstance(self.persist_nice, bool) or not isinstance(self.persist_nice, int):
+            raise CheckpointError(f"persist_nice must be an int, got {self.persist_nice!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **explicit) -> "AsyncOptions":
+        """The options for one call: ``explicit`` keyword arguments (None: not given), else the
+        ``RAYDCP_*`` overrides, else the defaults."""
+        env = os.environ if env is None else env
+        values: dict = {}
+        staging = env.get(STAGING_ENV, "").strip().lower()
+        if staging:
+            values["staging"] = staging
+        cap = env.get(MAX_STAGING_BYTES_ENV)
+        if cap is not None and cap.strip():
+            try:
+                values["max_staging_bytes"] = int(cap)
+            except ValueError:
+                raise CheckpointError(f"{MAX_STAGING_BYTES_ENV}={cap!r} is not a number of bytes") from None
+        nice = env.get(PERSIST_NICE_ENV)
+        if nice is not None:
+            try:
+                values["persist_nice"] = int(nice)
+            except ValueError:  # as before: an unreadable value keeps the default
+                pass
+        values.update({k: v for k, v in explicit.items() if v is not None})
+        if "max_staging_bytes" in values and values["max_staging_bytes"] is not None:
+            try:
+                values["max_staging_bytes"] = int(values["max_staging_bytes"])
+            except (TypeError, ValueError):
+                raise CheckpointError(
+                    f"max_staging_bytes must be a number of bytes, got {values['max_staging_bytes']!r}") from None
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IOOptions:
+    """Sizes and threads of the write and read paths (tuning; the defaults suit most storage).
+
+    Writes: host pieces up to ``pack_max`` bytes are copied into shared buffers of up to
+    ``pack_bytes`` (one write, no per-piece buffer); larger pieces are checksummed and written
+    ``write_bytes`` at a time; ``write_threads`` files are written at once. Reads: chunks from
+    ``read_pool_min`` bytes on are read and verified in ``read_threads`` threads,
+    ``read_task_bytes`` per task; smaller chunks of one file are read in batches of up to
+    ``read_batch_bytes``.
+    """
+
+    pack_max: int = 64 << 10
+    pack_bytes: int = 4 << 20
+    write_bytes: int = 4 * BLOCK_BYTES
+    write_threads: int = 8
+    read_pool_min: int = 256 << 10
+    read_task_bytes: int = 8 << 20
+    read_threads: int = 4
+    read_batch_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("pack_max", "pack_bytes", "write_bytes", "write_threads", "read_pool_min", "read_task_bytes",
+                     "read_threads", "read_batch_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CheckpointError(f"IOOptions.{name} must be an int >= 1, got {v!r}")
+        for name in ("write_bytes", "read_task_bytes"):
+            if getattr(self, name) % BLOCK_BYTES:
+                raise CheckpointError(f"IOOptions.{name} must be a multiple of the checksum block "
+                                      f"({BLOCK_BYTES} bytes), got {getattr(self, name)}")
+        if self.pack_max > self.pack_bytes:
+            raise CheckpointError(f"IOOptions.pack_max ({self.pack_max}) must not exceed pack_bytes ({self.pack_bytes})")
+
+    def replace(self, **changes) -> "IOOptions":
+        return replace(self, **changes)
+
+
+DEFAULT_IO = IOOptions()
