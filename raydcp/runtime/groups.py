@@ -12,7 +12,7 @@ import threading
 
 from ..group import Group
 
-__all__ = ["next_operation", "operations_started"]
+__all__ = ["next_operation"]
 
 _lock = threading.Lock()
 _NEXT: dict[tuple[str, int], int] = {}  # (group name, rank) -> the number of its next operation
@@ -26,8 +26,3 @@ def next_operation(group: Group) -> int:
         _NEXT[key] = op + 1
     return op
 
-
-def operations_started(group: Group) -> int:
-    """How many operations of ``group`` this rank started in this process."""
-    with _lock:
-        return _NEXT.get((group.name, group.rank), 0)

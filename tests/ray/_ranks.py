@@ -11,6 +11,7 @@ import time
 import pyarrow as pa
 import torch
 
+import raydcp.api
 import raydcp.group
 from raydcp.errors import CheckpointError, RankFailure
 
@@ -81,7 +82,7 @@ class RankActor:
         g = self.group
         if g is None or (g.name, g.rank, g.world_size) != (name, rank, world_size):
             self.group = raydcp.group.Group(name, rank, world_size, timeout_s=timeout_s)
-        self.transport = self.group.open_transport()
+        self.transport = raydcp.api.resolve_group(self.group).open_transport()
         return self.transport.coordinator_name
 
     def run(self, ops):

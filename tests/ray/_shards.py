@@ -98,8 +98,8 @@ def grow_global_shape(state: dict, key: str) -> None:
 
 # -- fault injection ----------------------------------------------------------------------
 class _FaultTransport(RayTransport):
-    def __init__(self, group, op, actor):
-        super().__init__(group, op)
+    def __init__(self, group, op, actor, host=None):
+        super().__init__(group, op, host=host)
         self._actor = actor
 
     def reduce_scatter(self, step, local, reduce_fn):
@@ -123,15 +123,6 @@ class _FaultTransport(RayTransport):
             except Exception:  # ended already
                 return
             time.sleep(0.05)
-
-
-class _FaultGroup(Group):
-    def __init__(self, actor, name, rank, world_size, *, timeout_s):
-        super().__init__(name, rank, world_size, timeout_s=timeout_s)
-        object.__setattr__(self, "_actor", actor)
-
-    def open_transport(self):
-        return _FaultTransport(self, self.next_operation(), self._actor)
 
 
 class FaultyShardActor(ShardActor):
@@ -165,5 +156,6 @@ class FaultyShardActor(ShardActor):
             else:
                 transport.wait_until_failed(within_s=120)
 
-    def _group(self, name, rank, world_size, timeout_s):
-        return _FaultGroup(self, name, rank, world_size, timeout_s=timeout_s)
+    def _open(self, group):
+        host = group[4] if len(group) > 4 and group[4] else None
+        return _FaultTransport(Group(*group[:3], timeout_s=group[3]), 0, self, host=host)

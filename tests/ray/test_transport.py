@@ -1,6 +1,7 @@
 """RayTransport with real actors: each rank is a Ray actor driving its own transport."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import uuid
@@ -9,6 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from raydcp.api import resolve_group
 from raydcp.errors import CheckpointError
 from raydcp.group import Group
 
@@ -227,8 +229,14 @@ def test_operations_of_a_group_share_one_host_with_fresh_coordinators(ray_sessio
 
 def test_group_counts_operations(ray_session):
     g = Group(uname("count"), 0, 1)
-    t0, t1 = g.open_transport(), g.open_transport()
+    t0, t1 = resolve_group(g).open_transport(), resolve_group(g).open_transport()
     assert (t0.op, t1.op) == (0, 1)
+    # the numbering is the runtime's, per process and by name and rank: an equal Group value continues it
+    t2 = resolve_group(Group(g.name, 0, 1)).open_transport()
+    assert t2.op == 2
+    t2.close()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.rank = 1  # a Group is a plain immutable value
     # one rank: no coordinator actor, everything in-process
     assert t0.reduce_scatter("s", 3, add_rank_sum) == 6
     got = t0.exchange("x", {0: [("a", torch.tensor([1, 2], dtype=torch.uint8))]})
@@ -251,7 +259,7 @@ def test_driver_ranks_in_threads(ray_session):
     results = [None] * 3
 
     def rank(r):
-        t = transports[r] = groups[r].open_transport()
+        t = transports[r] = resolve_group(groups[r]).open_transport()
         try:
             first = t.reduce_scatter("plan", r, add_rank_sum)
             value = threading.Lock() if r == 1 else r  # cannot be pickled
@@ -285,7 +293,7 @@ def test_prepare_starts_the_host_that_the_first_operation_then_uses(ray_session)
     results = [None] * 2
 
     def rank(r):
-        t = groups[r].open_transport()
+        t = resolve_group(groups[r]).open_transport()
         results[r] = t.reduce_scatter("s", r + 1, gather_all)
         t.close()
 
