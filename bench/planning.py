@@ -8,8 +8,8 @@ raydcp, timed step by step (the coordinator's whole job for one save and one loa
   plan_save      raydcp.planner.plan_save(local_plans): validate, dedup, balance, pack files
   build md       the Metadata the plan implies: raydcp.planner.chunk_tables(plan, local plans, the
                  ranks' checksums as arrays) -> one ChunkTable (columns) per tensor. Also timed,
-                 outside the total: the commit step of engine/save.py (_tensor_metas), which builds
-                 the same tables from the per-piece storage records the ranks return
+                 outside the total: the commit step of engine/protocol.py (tensor_metas), which
+                 builds the same tables from the columnar storage records the ranks return
   encode         raydcp.metadata.encode_metadata(md)          -> bytes per piece
   decode         raydcp.metadata.decode_metadata(bytes)
   load plan      sources from the metadata + check_requests + raydcp.planner.plan_load (512 ranks)
@@ -55,7 +55,7 @@ from _util import GC, RESULTS, argv_line, goal, loadavg, log, machine, save_json
 import raydcp.planner as P  # noqa: E402
 from raydcp.codec import itemsize  # noqa: E402
 from raydcp.engine.load import _stored_sources  # noqa: E402  (what the load coordinator runs)
-from raydcp.engine.save import _tensor_metas  # noqa: E402  (what the save coordinator's commit runs)
+from raydcp.engine.protocol import StorageRecord, tensor_metas  # noqa: E402  (what the save coordinator's commit runs)
 from raydcp.metadata import Metadata, TensorMeta, decode_metadata, encode_metadata  # noqa: E402
 from raydcp.runtime.coordinator import planning_pages  # noqa: E402  (what the coordinator's actor runs at start)
 from raydcp.transport import decode, encode  # noqa: E402  (how local plans travel to the coordinator)
@@ -162,16 +162,18 @@ def metadata_from_plan(gp: P.GlobalSavePlan, local_plans, checksums) -> Metadata
                     tensors=tensors, values=dict(gp.values))
 
 
-def engine_records(gp: P.GlobalSavePlan, local_plans, checksums) -> list[tuple]:
-    """The storage records the ranks return to the engine's commit step (one tuple per piece)."""
+def engine_records(gp: P.GlobalSavePlan, local_plans, checksums) -> list[StorageRecord]:
+    """The storage records the ranks return to the engine's commit step (one columnar record per rank)."""
     records = []
     for rp in gp.ranks:
         items = local_plans[rp.rank].items
         crcs = iter(checksums[rp.rank].tolist())
+        rows = []
         for name, slots in rp.files:
             for s in slots:
                 it = items[s.item]
-                records.append((it.key, it.offsets, it.sizes, name, s.byte_offset, it.nbytes, next(crcs), ()))
+                rows.append((it.key, it.offsets, it.sizes, name, s.byte_offset, it.nbytes, next(crcs), ()))
+        records.append(StorageRecord.from_rows(rows))
     return records
 
 
@@ -200,9 +202,9 @@ def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float) -> di
     res["build_md"], res["build_md_gc"], res["build_md_sys"] = s, g, SYS[0]
     log(f"    raydcp build md    {s:7.3f} s  (gc {g:.3f} s)")
     records = engine_records(gp, received(wires), crcs)  # a copy: lps keeps no per-piece objects
-    s, g, md_engine = step(lambda: _tensor_metas(dict(gp.tensors), records))
+    s, g, md_engine = step(lambda: tensor_metas(dict(gp.tensors), records))
     res["build_md_engine"] = s
-    log(f"    engine commit step from per-piece records (not in the total) {s:7.3f} s  (gc {g:.3f} s)")
+    log(f"    engine commit step from the ranks' records (not in the total) {s:7.3f} s  (gc {g:.3f} s)")
     del gp, lps, md_engine, records, wires
     s, g, blob = step(lambda: encode_metadata(md))
     res["encode"], res["encode_gc"], res["md_bytes"], res["encode_sys"] = s, g, len(blob), SYS[0]
