@@ -88,7 +88,8 @@ def test_private_arena_is_reused_for_same_size_saves(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYDCP_STAGING", "private")
     sd = {"w": torch.randn(1 << 20), "b": torch.randn(33)}
     raydcp.async_save(sd, tmp_path / "a").result(timeout=120)
-    arena, allocations, address = persist.local_persister().arena, persist.local_persister().arena.allocations, persist.local_persister().arena.address
+    arena = persist.local_persister().arena
+    allocations, address = arena.allocations, arena.address
     for i in range(3):
         sd["w"].add_(1)
         raydcp.async_save(sd, tmp_path / "a").result(timeout=120)
