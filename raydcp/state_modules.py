@@ -122,9 +122,9 @@ class ModuleLeaves:
             held = {id(p) for p in module.parameters()} & wanted
             if held:
                 owners.append((key, module, held))
-        whole = [(k, m) for k, m, held in owners if held == wanted]
-        if whole:  # the one nearest to the optimizer in the state dict (longest common prefix of keys)
-            return max(whole, key=lambda km: (_common_parts(km[0], fqn), -whole.index(km)))[1]
+        whole = [(i, k, m) for i, (k, m, held) in enumerate(owners) if held == wanted]
+        if whole:  # the one nearest to the optimizer in the state dict (longest common key prefix; then the first)
+            return max(whole, key=lambda ikm: (_common_parts(ikm[1], fqn), -ikm[0]))[2]
         covered = set().union(*(held for _, _, held in owners)) if owners else set()
         stray = [p for p in params if id(p) not in covered]
         if not owners:
