@@ -222,9 +222,18 @@ def legacy_optimizer_renames(tensor_keys: Iterable[str], values: Mapping[str, An
         if not _legacy(groups):
             continue
         head = f"{prefix}.state."
+        beyond = set()
         for key in keys:
             if key.startswith(head):
                 m = _ID.fullmatch(key[len(head):])
                 if m and int(m.group(1)) < len(order):
                     renames[key] = f"{head}{order[int(m.group(1))]}.{m.group(2)}"
+                elif m:
+                    beyond.add(int(m.group(1)))
+        ids = {p for g in groups if isinstance(g, dict) for p in g.get("params", ()) if isinstance(p, int)}
+        if beyond or (ids and max(ids) >= len(order)):
+            raise CheckpointError(
+                f"{prefix}: the checkpoint keeps this optimizer's state by parameter id (ids 0..{max(ids | beyond)}) "
+                f"and the optimizer has {len(order)} parameters, so the ids cannot be mapped to FQNs; build "
+                f"the optimizer over the parameters it was saved with, in the same order")
     return renames

@@ -134,8 +134,11 @@ def test_integer_keyed_state_for_another_optimizer_shape_names_the_fix(tmp_path)
     model2 = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model2.register_buffer("scale", torch.tensor([0.0]))
     opt2 = torch.optim.AdamW(model2[0].parameters())  # two parameters, the checkpoint has four
-    with pytest.raises(raydcp.CheckpointError, match=r"optim\.param_groups: .*this optimizer has 2 parameters.*same order"):
-        raydcp.load({"model": model2, "optim": opt2, "step": 0}, tmp_path / "c", strict=False)
+    for strict in (True, False):
+        with pytest.raises(raydcp.CheckpointError,
+                           match=r"optim: the checkpoint keeps this optimizer's state by parameter id \(ids 0\.\.3\) "
+                                 r"and the optimizer has 2 parameters.*same order"):
+            raydcp.load({"model": model2, "optim": opt2, "step": 0}, tmp_path / "c", strict=strict)
 
 
 def test_legacy_renames_need_the_integer_marker():
@@ -144,8 +147,11 @@ def test_legacy_renames_need_the_integer_marker():
     fqn_keyed = {"optim.param_groups": [{"lr": 1, "params": ["0.weight", "0.bias"]}]}
     assert legacy_optimizer_renames(keys, fqn_keyed, {"optim": order}) == {}
     old = {"optim.param_groups": [{"lr": 1, "params": [0, 1]}], "optim.state.1.step": 3.0}
-    assert legacy_optimizer_renames(["optim.state.0.exp_avg", "optim.state.7.exp_avg"], old, {"optim": order}) == {
-        "optim.state.0.exp_avg": "optim.state.0.weight.exp_avg", "optim.state.1.step": "optim.state.0.bias.step"}
+    assert legacy_optimizer_renames(["optim.state.0.exp_avg", "optim.state.1.exp_avg"], old, {"optim": order}) == {
+        "optim.state.0.exp_avg": "optim.state.0.weight.exp_avg", "optim.state.1.exp_avg": "optim.state.0.bias.exp_avg",
+        "optim.state.1.step": "optim.state.0.bias.step"}
+    with pytest.raises(raydcp.CheckpointError, match=r"ids 0\.\.7\) and the optimizer has 2 parameters"):
+        legacy_optimizer_renames(["optim.state.7.exp_avg"], old, {"optim": order})
 
 
 def test_an_optimizer_needs_its_model_in_the_state_dict(tmp_path):
