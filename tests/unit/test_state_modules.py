@@ -199,3 +199,19 @@ def test_a_stateful_holding_model_and_optimizer_gets_its_state_after_them(tmp_pa
     raydcp.load({"h": Holder(model2, opt2)}, tmp_path / "c")
     assert order == [("holder", 4, 4)]  # the optimizer was loaded before the holder got its state
     _assert_same(model, opt, model2, opt2)
+
+
+def test_strict_false_in_a_group_each_rank_gets_its_own_keys_and_rank_0_warns_once_for_all(tmp_path, caplog):
+    from raydcp.engine.load import load_with
+    from tests.engine.helpers import run_ranks
+
+    raydcp.save({"w": torch.ones(4), "old": torch.zeros(2), "epoch": 1}, tmp_path / "c")
+    states = [{"w": torch.zeros(4), "new0": torch.ones(1)}, {"w": torch.zeros(4), "new1": 5}]
+    with caplog.at_level(logging.WARNING, logger="raydcp"):
+        out, errs = run_ranks(2, lambda tp: load_with(tp, states[tp.rank], str(tmp_path / "c"), strict=False))
+    assert errs == [None, None]
+    assert [s.skipped.checkpoint_only for s in out] == [("epoch", "old")] * 2
+    assert [s.skipped.state_dict_only for s in out] == [("new0",), ("new1",)]
+    assert all(torch.equal(s["w"], torch.ones(4)) for s in states) and states[1]["new1"] == 5
+    warnings = [r.getMessage() for r in caplog.records if "strict=False" in r.getMessage()]
+    assert len(warnings) == 1 and all(k in warnings[0] for k in ("epoch", "old", "new0", "new1"))
