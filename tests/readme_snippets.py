@@ -12,7 +12,7 @@ def using_it_snippets() -> list[str]:
     text = README.read_text()
     start = text.index("\n## Using it\n")
     end = text.index("\n## ", start + 1)
-    return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S)
+    return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.DOTALL)
 
 
 def single_process_snippet(path: str) -> str:

@@ -78,11 +78,11 @@ def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests
     sources, values = _stored_sources(md), md.values
     renames = legacy_optimizer_renames(available, values, _param_orders(r[1] for r in requests))
     if renames:  # integer-keyed optimizer state (an older checkpoint): read under the FQN keys
-        new = lambda k: renames.get(k, k)  # noqa: E731
-        available = {new(k): v for k, v in available.items()}
-        itemsizes = {new(k): v for k, v in itemsizes.items()}
-        sources = {new(k): sources[k] for k in sources}
-        values = {new(k): v for k, v in values.items()}
+        get = renames.get
+        available = {get(k, k): v for k, v in available.items()}
+        itemsizes = {get(k, k): v for k, v in itemsizes.items()}
+        sources = {get(k, k): sources[k] for k in sources}
+        values = {get(k, k): v for k, v in values.items()}
     check_requests(available, values, local_plans)
     plans = plan_load(sources, local_plans, values, itemsizes)
     if all(lp.strict for lp in local_plans):
