@@ -7,6 +7,8 @@ Leaf kinds (DESIGN.md "State dict leaves"):
   ``compute_local_shape_and_global_offset`` (local, no collectives).
 - :class:`Shard`: an explicit piece of a global tensor.
 - plain values (None, bool, int, float, str, bytes and containers of them).
+- ``nn.Module`` and ``torch.optim.Optimizer``: as ``torch.distributed.checkpoint.state_dict``
+  keeps them (model keys by FQN, optimizer state by parameter FQN; :mod:`raydcp.state_modules`).
 - Stateful objects (``state_dict()``/``load_state_dict()``): expanded on save; on
   load their ``state_dict()`` is filled and handed back to ``load_state_dict()``.
 
@@ -16,13 +18,14 @@ list without tensors is one plain value.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from .codec import DTYPES, dtype_name, is_plain_value
 from .errors import CheckpointError
+from .state_modules import ModuleLeaves
 
 __all__ = ["Shard", "TensorLeaf", "FlatState", "flatten_state"]
 
@@ -74,6 +77,8 @@ class FlatState:
     # load only: how to put a loaded plain value back, and Stateful objects to hand back, innermost first
     setters: dict[str, Callable[[Any], None]]
     finalizers: list[Callable[[], None]]
+    # load only: optimizer key -> its parameters' FQNs by id, to read integer-keyed checkpoints
+    param_orders: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def finish_load(self, values: dict[str, Any]) -> None:
         for fqn, v in values.items():
@@ -88,6 +93,7 @@ _ZERO_OFFSETS = [(0,) * n for n in range(8)]
 _new_leaf = tuple.__new__  # a TensorLeaf from its fields without the generated __new__
 # exactly these types are plain tensors; subclasses (DTensor, a Parameter holding one) take the general path
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_MODULE_TYPES = (torch.nn.Module, torch.optim.Optimizer)
 
 
 def _is_dtensor(x: Any) -> bool:
@@ -182,6 +188,12 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
             items = list(x)
             for i, v in enumerate(items):
                 visit(v, f"{fqn}.{i}" if fqn else str(i), _seq_setter(x, items, i, setter))
+        elif isinstance(x, _MODULE_TYPES):  # before Stateful: DCP's FQN-keyed state (state_modules.py)
+            add(fqn)
+            if isinstance(x, torch.nn.Module):
+                modules.module(fqn, x, visit)
+            else:
+                modules.optimizer(fqn, x)
         elif _is_stateful(x):
             sd = x.state_dict()
             if not isinstance(sd, dict):
@@ -200,8 +212,11 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
                 f"raydcp.Shard, DTensor or an object with state_dict()/load_state_dict()"
             )
 
+    modules = ModuleLeaves(for_load, flat.finalizers)
     visit(state_dict, "", lambda v: None)
-    visit = whole_tensor = None  # noqa: F841 -- break the closures' self-references, so tensors are freed without a GC pass
+    modules.finish(visit)
+    flat.param_orders = modules.param_orders
+    visit = whole_tensor = modules = None  # noqa: F841 -- break the closures' self-references, so tensors are freed without a GC pass
     return flat
 
 

@@ -1,6 +1,7 @@
 """Collective load (storage -> ranks) and transfer (live ranks -> ranks), for any N -> M."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -13,21 +14,38 @@ from ..planner import (LocalLoadPlan, LocalSavePlan, RankLoadPlan, ReadItem, Sou
                        check_requests, plan_load, stored_sources)
 from ..planner.save import _agree_on_tensors, _agree_on_values, _tiling_problems
 from ..state import FlatState, flatten_state
+from ..state_modules import legacy_optimizer_renames
 from ..storage import CheckpointStorage
 from ..transport import Transport
 from .reads import ChunkReader, Deliverer, FileChunkReader, LiveChunkReader, check_shares
 from .save import local_save_plan
 
-__all__ = ["LoadStats", "load_with", "transfer_with", "read_metadata"]
+__all__ = ["LoadStats", "Skipped", "load_with", "transfer_with", "read_metadata"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Keys a ``strict=False`` load left alone: the checkpoint's keys no rank asked for, and the
+    keys of this rank's state dict the checkpoint lacks (their values stay as they were)."""
+
+    checkpoint_only: tuple[str, ...] = ()
+    state_dict_only: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.checkpoint_only or self.state_dict_only)
 
 
 @dataclass(frozen=True)
 class LoadStats:
-    """What one rank's load did: bytes it read from the source, bytes its own tensors needed."""
+    """What one rank's load did: bytes it read from the source, bytes its own tensors needed,
+    and (``strict=False``) the keys it skipped."""
 
     bytes_read: int
     bytes_needed: int
     seconds: float
+    skipped: Skipped = Skipped()
 
 
 def read_metadata(checkpoint_id: str, storage_options: dict | None = None) -> Metadata:
@@ -50,12 +68,54 @@ def _stored_sources(md: Metadata):
     return stored_sources(md)  # key -> the stored chunks as columns (a sequence of SourceChunk)
 
 
-def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, local_plans: Sequence[LocalLoadPlan]):
+def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):
+    """Each rank sends (its LocalLoadPlan, its optimizers' parameter FQNs by id); each gets back
+    (its RankLoadPlan, its Skipped, the group's Skipped: every rank's state-dict-only keys)."""
+    local_plans = [r[0] for r in requests]
     md = read_metadata(checkpoint_id, storage_options)
     available = {k: TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
-    check_requests(available, md.values, local_plans)
     itemsizes = {k: itemsize(t.dtype) for k, t in md.tensors.items()}
-    return plan_load(_stored_sources(md), local_plans, md.values, itemsizes)
+    sources, values = _stored_sources(md), md.values
+    renames = legacy_optimizer_renames(available, values, _param_orders(r[1] for r in requests))
+    if renames:  # integer-keyed optimizer state (an older checkpoint): read under the FQN keys
+        get = renames.get
+        available = {get(k, k): v for k, v in available.items()}
+        itemsizes = {get(k, k): v for k, v in itemsizes.items()}
+        sources = {get(k, k): sources[k] for k in sources}
+        values = {get(k, k): v for k, v in values.items()}
+    check_requests(available, values, local_plans)
+    plans = plan_load(sources, local_plans, values, itemsizes)
+    if all(lp.strict for lp in local_plans):
+        return [(p, None, None) for p in plans]
+    stored = set(available) | set(values)
+    wanted = [set(lp.tensors) | set(lp.values) for lp in local_plans]
+    ckpt_only = tuple(sorted(stored.difference(*wanted)))
+    mine = [tuple(sorted(w - stored)) for w in wanted]
+    group = Skipped(ckpt_only, tuple(sorted(set().union(*mine))))
+    return [(p, Skipped(ckpt_only, m), group) for p, m in zip(plans, mine)]
+
+
+def _param_orders(per_rank) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for orders in per_rank:
+        for key, order in (orders or {}).items():
+            if out.setdefault(key, order) != order:
+                raise CheckpointError(f"{key}: ranks disagree on the optimizer's parameters (FQNs by id); "
+                                      f"every rank must build the same model and optimizer")
+    return out
+
+
+def _warn_skipped(checkpoint_id: str, skipped: Skipped | None) -> None:
+    if not skipped:
+        return
+    parts = []
+    if skipped.checkpoint_only:
+        parts.append(f"{len(skipped.checkpoint_only)} checkpoint key(s) not in the state dict (not loaded): "
+                     + ", ".join(skipped.checkpoint_only))
+    if skipped.state_dict_only:
+        parts.append(f"{len(skipped.state_dict_only)} state-dict key(s) not in the checkpoint (left as they "
+                     f"were): " + ", ".join(skipped.state_dict_only))
+    log.warning("raydcp.load(strict=False) of %s skipped %s", checkpoint_id, "; ".join(parts))
 
 
 def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: ChunkReader) -> int:
@@ -92,7 +152,7 @@ def _all_done(values: list) -> list:
 
 
 def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, strict: bool = True,
-              storage_options: dict | None = None) -> LoadStats:
+              storage_options: dict | None = None, warn_skipped: bool = True) -> LoadStats:
     """The load protocol for one rank (every rank of ``transport`` calls it together).
 
     1. flatten the state dict into the regions this rank wants; 2. reduce_scatter
@@ -100,20 +160,26 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     (one error naming every offending key, on every rank) and assigns each needed
     source byte range to one reader; 3. read assigned chunks, fill local tensors,
     queue parts for other ranks; 4. exchange; 5. reduce_scatter "finish".
+
+    With ``strict=False`` the result names the keys skipped, and rank 0 logs them (all ranks'
+    together) in one warning unless ``warn_skipped`` is False (internal partial loads).
     """
     t0 = time.perf_counter()
     try:
         flat = flatten_state(state_dict, for_load=True)
-        local: Any = local_load_plan(transport.rank, flat, strict)
+        local: Any = (local_load_plan(transport.rank, flat, strict), flat.param_orders or None)
     except Exception as exc:
         local = RankFailure.from_exception(transport.rank, exc)
-    plan = transport.reduce_scatter("load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
+    plan, skipped, group_skipped = transport.reduce_scatter(
+        "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
         nread = _execute(transport, plan, flat, FileChunkReader(storage))
     finally:
         storage.close()
-    return LoadStats(nread, plan.bytes_needed, time.perf_counter() - t0)
+    if warn_skipped and transport.rank == 0:
+        _warn_skipped(checkpoint_id, group_skipped)
+    return LoadStats(nread, plan.bytes_needed, time.perf_counter() - t0, skipped or Skipped())
 
 
 def _reduce_transfer_plan(pairs: Sequence[tuple[LocalSavePlan | None, LocalLoadPlan | None]]):

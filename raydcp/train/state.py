@@ -2,9 +2,11 @@
 
 Saved keys (under the TrainState's own key in the state dict, e.g. ``train.``):
 
-- ``model.<fqn>``: ``get_model_state_dict`` (torch.distributed.checkpoint.state_dict,
-  canonical FQNs; DTensor shards under FSDP2, so each rank writes its own piece);
-- ``optim.state.<fqn>.<name>`` and ``optim.param_groups``: ``get_optimizer_state_dict``;
+- ``model.<fqn>`` and ``optim.state.<fqn>.<name>``, ``optim.param_groups``: the model and the
+  optimizer are Module and Optimizer leaves of the state dict :meth:`TrainState.state_dict`
+  returns, so raydcp keeps them as it keeps any such leaves (:mod:`raydcp.state_modules`:
+  torch.distributed.checkpoint.state_dict's canonical FQNs, DTensor shards under FSDP2, a fresh
+  optimizer's state initialised before a load, and set_state_dict applied after it);
 - ``scheduler.*``: the LR scheduler's ``state_dict()`` (plain values);
 - ``progress.step``, ``progress.samples_seen``, ``progress.seed``: plain ints;
 - ``rng.*``: one row per rank of each generator table (:mod:`raydcp.train.rng`).
@@ -114,13 +116,12 @@ class TrainState:
 
     # -- Stateful -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
+        """The state as raydcp flattens it: the model and optimizer themselves (Module and Optimizer
+        leaves, expanded and applied by raydcp), the rest as tensors and plain values."""
         rank, world = rank_and_world()
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         sd: dict[str, Any] = {
-            "model": model_sd,
-            "optim": optim_sd,
+            "model": self.model,
+            "optim": self.optimizer,
             "progress": {"step": self.step, "samples_seen": self.samples_seen, "seed": self.seed},
         }
         if self.scheduler is not None:
@@ -136,10 +137,8 @@ class TrainState:
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
+        """The rest of a restore (raydcp has already loaded the model and optimizer leaves)."""
         plan, self._plan = self._plan, None
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(sd["scheduler"])
         progress = sd["progress"]
