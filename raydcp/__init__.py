@@ -3,22 +3,25 @@
 Public API (DESIGN.md): save, async_save, load, read_metadata, Shard, Group,
 CheckpointError, Metadata, ShardGroup, and the Ray Train helpers in raydcp.train.
 """
-from .engine import async_save, load, read_metadata, save
 from .errors import CheckpointError
-from .group import Group
-from .metadata import Metadata
-from .state import Shard
 
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
            "Metadata", "ShardGroup", "__version__"]
 __version__ = "0.1.0"
 
+# The public names load their modules (torch, numpy, pyarrow) on first use, so that
+# `import raydcp.cli` and `raydcp --help` stay fast; `from raydcp import save` works as before.
+_LAZY = {"save": ".engine", "async_save": ".engine", "load": ".engine", "read_metadata": ".engine",
+         "Group": ".group", "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group"}
+
 
 def __getattr__(name: str):
-    if name == "ShardGroup":  # imports Ray: only when asked for
-        from .runtime.shard_group import ShardGroup
+    if name in _LAZY:
+        import importlib
 
-        return ShardGroup
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
     if name == "train":  # raydcp.train.save(...) without importing raydcp.train first
         import importlib
 

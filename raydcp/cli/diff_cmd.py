@@ -11,8 +11,6 @@ import argparse
 import math
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
 from ._common import EXIT_FOUND, EXIT_OK, add_storage_options, print_json, stdout, storage_options
 from ._registry import Command, register
@@ -31,8 +29,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_storage_options(parser)
 
 
-def _numeric(t: torch.Tensor) -> torch.Tensor:
+def _numeric(t):
     """``t`` in a dtype that subtraction, abs and isclose support, without losing precision."""
+    import torch
+
     if t.dtype.is_complex:
         return t.to(torch.complex128)
     if t.dtype == torch.float64:
@@ -42,8 +42,10 @@ def _numeric(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)  # bool and integers
 
 
-def compare_tensors(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float]:
+def compare_tensors(a, b, rtol: float, atol: float) -> tuple[bool, float]:
     """(equal within tolerance, largest absolute difference; inf where only one side is NaN)."""
+    import torch
+
     if a.numel() == 0:
         return True, 0.0
     exact = rtol == 0 and atol == 0

@@ -5,8 +5,6 @@ import argparse
 import datetime as _dt
 from typing import Any
 
-from ..codec import encode_value
-from ..metadata import Metadata, TensorMeta
 from ._common import EXIT_OK, add_storage_options, human_bytes, print_json, stdout, storage_options
 from ._registry import Command, register
 
@@ -19,12 +17,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_storage_options(parser)
 
 
-def _files(t: TensorMeta) -> list[str]:
+def _files(t) -> list[str]:
     return sorted({c.file for c in t.chunks})
 
 
-def describe(path: str, md: Metadata) -> dict[str, Any]:
+def describe(path: str, md) -> dict[str, Any]:
     """The JSON form of ``inspect``: plain values use raydcp's tagged JSON (``codec.encode_value``)."""
+    from ..codec import encode_value
+
     return {
         "path": path,
         "format_version": f"{md.version[0]}.{md.version[1]}",
