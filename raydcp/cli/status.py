@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(report) -> None:
-    from rich.markup import escape
     from rich.table import Table
+
+    from ._common import safe as escape
 
     out = stdout()
     r = report.record

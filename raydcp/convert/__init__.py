@@ -21,13 +21,15 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["ConvertResult", "TensorSource", "parse_size", "to_torch_dcp", "from_torch_dcp", "from_safetensors",
+           "from_torch_save",
            "to_safetensors", "to_torch_save", "KeySelection", "FORMATS"]
 
 FORMATS = ("torch-dcp", "safetensors", "torch-save")
 
 # loaded on first use: raydcp.convert.keys and raydcp.convert.detect need no torch
 _LAZY = {"ConvertResult": "._io", "TensorSource": "._io", "parse_size": "._io", "to_safetensors": ".files",
-         "to_torch_save": ".files", "from_safetensors": ".from_safetensors", "to_torch_dcp": ".torch_dcp",
+         "to_torch_save": ".files", "from_safetensors": ".from_files",
+         "from_torch_save": ".from_files", "to_torch_dcp": ".torch_dcp",
          "from_torch_dcp": ".torch_dcp", "KeySelection": ".keys"}
 
 

@@ -18,6 +18,7 @@ values (others are skipped and reported). Chunks are assembled into whole tensor
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import re
@@ -207,8 +208,8 @@ def from_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: 
                for idx, info in md.storage_data.items()}
     result = ConvertResult(storage.url, os.fspath(dst), "raydcp")
     entries = sorted(md.state_dict_metadata.items())
-    total = sum(e.size.numel() * e.properties.dtype.itemsize
-                for _, e in entries if isinstance(e, TensorStorageMetadata))
+    file_sizes: dict[str, int | None] = {}
+    total = sum(_check_sizes(storage, fqn, e, records, file_sizes) for fqn, e in entries if isinstance(e, TensorStorageMetadata))
     flat: dict[str, Any] = {}
     done = 0
     if progress:
@@ -279,6 +280,36 @@ def _record(storage: CheckpointStorage, fqn: str, offsets, records: dict):
         raise CheckpointError(f"{storage.url}: {fqn} was written with stream transforms {info.transform_descriptors} "
                               "(e.g. compression), which raydcp cannot read; save it with the default FileSystemWriter")
     return info
+
+
+def _check_sizes(storage: CheckpointStorage, fqn: str, entry, records: dict, sizes: dict) -> int:
+    """The tensor's bytes, once every chunk's claimed size is backed by its storage record and the
+    record by its file: hostile metadata (2**62 elements) fails here, before anything is allocated."""
+    itemsize = entry.properties.dtype.itemsize
+    whole = math.prod(entry.size) * itemsize  # Python ints: no overflow
+    stored = 0
+    for c in entry.chunks:
+        need = math.prod(c.sizes) * itemsize
+        info = _record(storage, fqn, tuple(c.offsets), records)
+        if need > info.length:
+            raise CheckpointError(
+                f"{storage.url}: {fqn}: the DCP metadata claims a chunk of {list(c.sizes)} {entry.properties.dtype} "
+                f"elements ({need} bytes) at {list(c.offsets)}, but its storage record holds only {info.length} "
+                f"bytes of {info.relative_path}; the metadata is damaged or forged, nothing was read")
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = storage.file_size(info.relative_path)
+        size = sizes[info.relative_path]
+        if size is None or info.offset + info.length > size:
+            have = "is missing" if size is None else f"holds {size} bytes"
+            raise CheckpointError(
+                f"{storage.file_url(info.relative_path)} ({fqn}): the storage record needs bytes "
+                f"{info.offset}..{info.offset + info.length}, the file {have}; the checkpoint is damaged")
+        stored += need
+    if whole > stored:
+        raise CheckpointError(
+            f"{storage.url}: {fqn}: the DCP metadata claims {list(entry.size)} {entry.properties.dtype} "
+            f"({whole} bytes) but its chunks hold {stored} bytes; the metadata is damaged or forged, nothing was read")
+    return whole
 
 
 def _read_bytes(storage: CheckpointStorage, fqn: str, info) -> io.BytesIO:
