@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
 
     opts = storage_options(args)
     storage = CheckpointStorage(args.path, opts)
-    if not storage.is_committed():  # nothing to verify (a wrong path, another format): an error, exit 2
+    if not storage.is_committed() and not storage.list_files("data/"):
+        # no raydcp checkpoint there at all (a wrong path, another format): an error, exit 2; data
+        # files without their metadata are a damaged checkpoint, reported below (exit 1)
         storage.read_metadata_bytes()
     with progress_bar("verify", enabled=not args.no_progress and not args.json) as progress:
         report = verify_checkpoint(args.path, opts, progress=progress)

@@ -17,6 +17,7 @@ values (others are skipped and reported). Chunks are assembled into whole tensor
 """
 from __future__ import annotations
 
+import gc
 import io
 import math
 import os
@@ -139,6 +140,8 @@ def to_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: bo
                     done += data[0].numel() * data[0].element_size()
                     if progress:
                         progress(done, total)
+                data = None  # nothing of this group stays alive while the next one loads; torch.save
+                gc.collect(1)  # leaves reference cycles that hold the tensors it wrote until collected
             for key, value in sorted(values.items()):
                 start, length = put(value)
                 entries[key] = BytesStorageMetadata()
