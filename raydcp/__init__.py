@@ -4,6 +4,7 @@ Public API (DESIGN.md): save, async_save, load, read_metadata, Shard, Group,
 CheckpointError, Metadata, ShardGroup, and the Ray Train helpers in raydcp.train.
 """
 from .errors import CheckpointError
+from .group import Group
 
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
            "Metadata", "ShardGroup", "__version__"]
@@ -12,7 +13,10 @@ __version__ = "0.1.0"
 # The public names load their modules (torch, numpy, pyarrow) on first use, so that
 # `import raydcp.cli` and `raydcp --help` stay fast; `from raydcp import save` works as before.
 _LAZY = {"save": ".engine", "async_save": ".engine", "load": ".engine", "read_metadata": ".engine",
-         "Group": ".group", "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group"}
+         "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group"}
+
+_SUBMODULES = frozenset({"train", "engine", "storage", "planner", "codec", "metadata", "metadata_format", "runtime",
+                         "transport", "state", "verify", "pipeline", "convert", "reshard", "cli", "lazy"})
 
 
 def __getattr__(name: str):
@@ -22,8 +26,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
-    if name == "train":  # raydcp.train.save(...) without importing raydcp.train first
+    if name in _SUBMODULES:  # raydcp.train.save(...), raydcp.engine.save_with(...) without importing them first
         import importlib
 
-        return importlib.import_module(".train", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'raydcp' has no attribute {name!r}")

@@ -126,7 +126,13 @@ def from_safetensors(src, dst, *, storage_options: dict | None = None, overwrite
     Destination(dst, storage_options).check_free(directory=True, overwrite=overwrite)
     flat: dict[str, Any] = {}
     values: dict[str, Any] = {}
-    for i, path in enumerate(shards):
+    done = 0
+    with source.guard("look up"):
+        sizes = [source.fs.size(p) or 0 for p in shards]
+    total = sum(sizes)
+    if progress:
+        progress(0, total)
+    for path, size in zip(shards, sizes):
         tensors, meta = _read_shard(source, path)
         dup = sorted(set(tensors) & set(flat))
         if dup:
@@ -137,8 +143,9 @@ def from_safetensors(src, dst, *, storage_options: dict | None = None, overwrite
                 values.update({k: decode_value(v) for k, v in json.loads(meta[VALUES_KEY]).items()})
             except Exception as exc:
                 raise CheckpointError(f"{source.display(path)}: unreadable {VALUES_KEY} ({exc})") from None
+        done += size
         if progress:
-            progress(i + 1, len(shards))
+            progress(done, total)
     values = {k: v for k, v in values.items() if k not in flat}
     state, dropped = _apply({**flat, **values}, select or KeySelection())
     return _save(source.url, dst, state, storage_options, dropped)
@@ -161,7 +168,7 @@ def from_torch_save(src, dst, *, storage_options: dict | None = None, overwrite:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{source.url} holds a {type(obj).__name__}, not a state dict")
     if progress:
-        progress(1, 1)
+        progress(len(data), len(data))
     flat = _flatten(obj)
     state, dropped = _apply(flat, select or KeySelection())
     return _save(source.url, dst, state, storage_options, dropped)
