@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ForeignFormat", "foreign_format", "foreign_format_hint", "sniff_file"]
+__all__ = ["ForeignFormat", "foreign_format", "foreign_format_hint", "hint_for_url", "sniff_file"]
 
 _METADATA = "raydcp.meta"
 _DCP_METADATA = ".metadata"
@@ -117,3 +117,16 @@ def foreign_format_hint(fs, path: str, url: str) -> str | None:
     return (f"{url} is a directory of checkpoints ({found.detail}), not one checkpoint: pass one of them "
             f"(`raydcp ls {url}` lists them)")
 
+
+
+def hint_for_url(url, storage_options: dict | None = None) -> str | None:
+    """:func:`foreign_format_hint` for a local path or fsspec URL (None where it cannot be opened)."""
+    import os
+
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(os.fspath(url), **(storage_options or {}))
+    except Exception:
+        return None
+    return foreign_format_hint(fs, path, os.fspath(url))

@@ -186,7 +186,8 @@ def test_neighbour_formats_are_recognised(tmp_path, capsys, kind):
     assert what in msg and f"raydcp convert {path}" in msg and command in msg
     with pytest.raises(CheckpointError, match=command):
         raydcp.read_metadata(path)
-    for argv in (("inspect", path), ("verify", path), ("convert", path, tmp_path / "out", "--to", "torch-save")):
+    for argv in (("inspect", path), ("verify", path), ("status", path), ("diff", path, path),
+                 ("reshard", path, tmp_path / "out", "-M", "2"), ("convert", path, tmp_path / "out", "--to", "torch-save")):
         code, out, err = run(capsys, *argv)
         assert code == 2 and what in err and command in err, (argv, err)
     # and the command it names converts it
