@@ -12,7 +12,7 @@ import contextlib
 import json
 import re
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from rich.console import Console
 

@@ -212,7 +212,8 @@ def from_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: 
     result = ConvertResult(storage.url, os.fspath(dst), "raydcp")
     entries = sorted(md.state_dict_metadata.items())
     file_sizes: dict[str, int | None] = {}
-    total = sum(_check_sizes(storage, fqn, e, records, file_sizes) for fqn, e in entries if isinstance(e, TensorStorageMetadata))
+    total = sum(_check_sizes(storage, fqn, e, records, file_sizes)
+                for fqn, e in entries if isinstance(e, TensorStorageMetadata))
     flat: dict[str, Any] = {}
     done = 0
     if progress:

@@ -160,7 +160,8 @@ def _safetensors_folder(path, index: bool):
     path.mkdir()
     save_file({"w": torch.ones(3)}, str(path / "model-00001-of-00001.safetensors"))
     if index:
-        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+        index = {"weight_map": {"w": "model-00001-of-00001.safetensors"}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 NEIGHBOURS = {
@@ -187,7 +188,8 @@ def test_neighbour_formats_are_recognised(tmp_path, capsys, kind):
     with pytest.raises(CheckpointError, match=command):
         raydcp.read_metadata(path)
     for argv in (("inspect", path), ("verify", path), ("status", path), ("diff", path, path),
-                 ("reshard", path, tmp_path / "out", "-M", "2"), ("convert", path, tmp_path / "out", "--to", "torch-save")):
+                 ("reshard", path, tmp_path / "out", "-M", "2"),
+                 ("convert", path, tmp_path / "out", "--to", "torch-save")):
         code, out, err = run(capsys, *argv)
         assert code == 2 and what in err and command in err, (argv, err)
     # and the command it names converts it

@@ -140,14 +140,16 @@ def test_reshard_strips_prefixes_even_in_blocks_of_rows(tmp_path, capsys):
         assert torch.equal(got[k], full[f"model.{k}"]), k
     # two keys that would get one name: refused, naming both
     raydcp.save({"model.w": torch.ones(2), "w": torch.zeros(2)}, tmp_path / "clash")
-    code, _, err = run(capsys, "reshard", tmp_path / "clash", tmp_path / "clash-out", "-M", "1", "--strip-prefix", "model")
+    code, _, err = run(capsys, "reshard", tmp_path / "clash", tmp_path / "clash-out", "-M", "1",
+                       "--strip-prefix", "model")
     assert code == 2 and "'model.w'" in err and "'w'" in err
 
 
 def test_from_safetensors_round_trip(tmp_path, capsys):
     model, state = checkpoint(tmp_path / "ck")
     # several shards and their index, as Hugging Face writes them
-    code, _, err = run(capsys, "convert", tmp_path / "ck", tmp_path / "hf", "--to", "safetensors", "--max-shard-size", "100B")
+    code, _, err = run(capsys, "convert", tmp_path / "ck", tmp_path / "hf", "--to", "safetensors",
+                       "--max-shard-size", "100B")
     assert code == 0, err
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
     code, out, err = run(capsys, "convert", tmp_path / "hf", tmp_path / "back", "--from", "safetensors")
