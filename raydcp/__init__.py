@@ -1,26 +1,33 @@
 """raydcp: distributed checkpointing of PyTorch training state on Ray.
 
-Public API (DESIGN.md): save, async_save, load, read_metadata, Shard, Group,
+Public API (docs/architecture.md): save, async_save, load, read_metadata, Shard, Group,
 CheckpointError, Metadata, ShardGroup, and the Ray Train helpers in raydcp.train.
 """
-from .api import async_save, load, read_metadata, save
 from .errors import CheckpointError
 from .group import Group
-from .metadata import Metadata
-from .state import Shard
 
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
            "Metadata", "ShardGroup", "__version__"]
 __version__ = "0.1.0"
 
+# The public names load their modules (torch, numpy, pyarrow) on first use, so that
+# `import raydcp.cli` and `raydcp --help` stay fast; `from raydcp import save` works as before.
+_LAZY = {"save": ".api", "async_save": ".api", "load": ".api", "read_metadata": ".api",
+         "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group"}
+
+_SUBMODULES = frozenset({"api", "options", "train", "engine", "storage", "planner", "codec", "metadata", "metadata_format", "runtime",
+                         "transport", "state", "verify", "pipeline", "convert", "reshard", "cli", "lazy"})
+
 
 def __getattr__(name: str):
-    if name == "ShardGroup":  # imports Ray: only when asked for
-        from .runtime.shard_group import ShardGroup
-
-        return ShardGroup
-    if name == "train":  # raydcp.train.save(...) without importing raydcp.train first
+    if name in _LAZY:
         import importlib
 
-        return importlib.import_module(".train", __name__)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:  # raydcp.train.save(...), raydcp.engine.save_with(...) without importing them first
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'raydcp' has no attribute {name!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import crc32c as _crc32c
 
@@ -61,6 +61,10 @@ class VerifyReport:
     bytes_checked: int = 0
     files_checked: int = 0
     seconds: float = 0.0
+    tensors: int = 0          # in the metadata (as `raydcp inspect` counts them)
+    pieces: int = 0           # stored pieces in the metadata, empty ones included
+    total_bytes: int = 0      # bytes of the pieces to check
+    progress: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -77,8 +81,9 @@ class VerifyReport:
     def summary(self) -> str:
         """One line: intact, or what is damaged."""
         if self.ok:
-            return (f"{self.checkpoint} is intact: {self.pieces_checked} pieces, {self.bytes_checked} bytes "
-                    f"in {self.files_checked} data files; every checksum matches")
+            return (f"{self.checkpoint} is intact: {self.tensors} tensors in {self.pieces} pieces, "
+                    f"{_mib(self.bytes_checked)} ({self.bytes_checked} bytes) in {self.files_checked} data files; "
+                    "every checksum matches")
         files, keys = self.damaged_files, self.damaged_keys
         parts = [f"{self.checkpoint} is damaged: {len(self.problems)} problem(s)"]
         if files:
@@ -92,6 +97,8 @@ class VerifyReport:
             "checkpoint": self.checkpoint,
             "ok": self.ok,
             "save_id": self.metadata.save_id if self.metadata else None,
+            "tensors": self.tensors,
+            "pieces": self.pieces,
             "pieces_checked": self.pieces_checked,
             "bytes_checked": self.bytes_checked,
             "files_checked": self.files_checked,
@@ -101,12 +108,21 @@ class VerifyReport:
         }
 
 
+def _mib(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
 def _few(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def verify_checkpoint(checkpoint_id, storage_options: dict | None = None, *,
-                      block_bytes: int = _BLOCK) -> VerifyReport:
+                      block_bytes: int = _BLOCK, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check a committed checkpoint completely and return a :class:`VerifyReport`.
 
     1. read and decode the metadata (a damaged, missing or unknown-version metadata file is
@@ -116,6 +132,7 @@ def verify_checkpoint(checkpoint_id, storage_options: dict | None = None, *,
     4. read every piece present, in file order, and compare its CRC32C with the metadata.
 
     Raises CheckpointError only when the location itself cannot be opened (bad URL or options).
+    ``progress(bytes checked, bytes to check)`` is called as pieces are read.
     """
     if not isinstance(block_bytes, int) or block_bytes < 1:
         raise CheckpointError(f"block_bytes must be a positive integer, got {block_bytes!r}")
@@ -137,8 +154,15 @@ def verify_checkpoint(checkpoint_id, storage_options: dict | None = None, *,
         for c in tm.chunks:
             if c.nbytes:
                 by_file.setdefault(c.file, []).append((key, c))
+    report.tensors = len(md.tensors)
+    report.pieces = sum(len(tm.chunks) for tm in md.tensors.values())
+    report.total_bytes = sum(c.nbytes for pieces in by_file.values() for _, c in pieces)
+    report.progress = progress
+    if progress:
+        progress(0, report.total_bytes)
     for name in sorted(by_file):
         _check_file(storage, name, by_file[name], report, block_bytes)
+    report.progress = None
     report.problems.sort(key=lambda p: (p.kind != "tiling", p.file or "", p.byte_range or (0, 0), p.key or ""))
     report.seconds = time.perf_counter() - t0
     return report
@@ -210,6 +234,8 @@ def _check_large_piece(storage: CheckpointStorage, name: str, key: str, c: Chunk
 def _compare(name: str, key: str, c: ChunkMeta, crc: int, report: VerifyReport) -> None:
     report.pieces_checked += 1
     report.bytes_checked += c.nbytes
+    if report.progress:
+        report.progress(report.bytes_checked, report.total_bytes)
     if crc != c.checksum:
         report.problems.append(Problem(
             "checksum", f"checksum mismatch in the piece at {list(c.offsets)} "

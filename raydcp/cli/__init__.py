@@ -13,12 +13,12 @@ import sys
 from typing import Sequence
 
 from ..errors import CheckpointError
-from ._common import EXIT_ERROR, EXIT_INTERNAL, one_line
+from ._common import EXIT_ERROR, EXIT_INTERNAL, one_line, safe
 from ._registry import Command, register, registered
 
 __all__ = ["main", "build_parser", "Command", "register", "BUILTIN_MODULES"]
 
-BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd", "status", "reshard_cmd")
+BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd", "status", "reshard_cmd", "ls_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in registered().items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.description or cmd.help)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         cmd.configure(p)
         p.set_defaults(_command=cmd)
     return parser
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fail(status: int, message: str) -> int:
     try:
-        sys.stderr.write(f"raydcp: error: {one_line(message)}\n")
+        sys.stderr.write(f"raydcp: error: {safe(one_line(message), markup=False)}\n")
         sys.stderr.flush()
     except (BrokenPipeError, ValueError):
         pass

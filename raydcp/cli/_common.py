@@ -10,17 +10,34 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from rich.console import Console
 
 from ..errors import CheckpointError
 
 __all__ = ["EXIT_OK", "EXIT_FOUND", "EXIT_ERROR", "EXIT_INTERNAL", "one_line", "stdout", "stderr",
-           "print_json", "human_bytes", "add_storage_options", "storage_options", "progress_bar"]
+           "print_json", "human_bytes", "add_storage_options", "storage_options", "progress_bar", "safe",
+           "Progress"]
 
 EXIT_OK, EXIT_FOUND, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+# C0 controls (but tab), DEL, C1 controls, and the bidirectional overrides that reorder what follows
+_UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def safe(text: Any, markup: bool = True) -> str:
+    """``text`` made harmless for a terminal (and, with ``markup``, for rich): control characters
+    (escape sequences in a key name) shown as ``\\x1b``-style escapes, rich markup escaped."""
+    text = _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], str(text))
+    if not markup:
+        return text
+    from rich.markup import escape
+
+    return escape(text)
 
 
 def one_line(message: str) -> str:
@@ -79,25 +96,36 @@ def storage_options(args: argparse.Namespace) -> dict | None:
     return opts
 
 
-@contextlib.contextmanager
-def progress_bar(description: str, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
-    """A ``progress(done_bytes, total_bytes)`` callback drawing a rich progress bar on stderr.
+class Progress:
+    """What :func:`progress_bar` yields: ``progress(done, total)`` moves the bar, ``progress.log(msg)``
+    prints a message above it (on stderr; plain when there is no bar)."""
 
-    The bar is drawn only when stderr is a terminal (and ``enabled``); otherwise the callback
-    does nothing, so pipes, logs and tests see no control characters.
+    def __init__(self, bar=None, task=None, console: Console | None = None):
+        self._bar, self._task = bar, task
+        self._console = console or stderr()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total)
+
+    def log(self, message: str) -> None:
+        self._console.print(safe(message), highlight=False)
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, enabled: bool = True) -> Iterator[Progress]:
+    """A :class:`Progress` drawing one live rich progress bar on stderr, messages printed above it.
+
+    The bar is drawn only when stderr is a terminal (and ``enabled``); otherwise moving it does
+    nothing, so pipes, logs and tests see no control characters.
     """
-    console = Console(file=sys.stderr)
+    console = Console(file=sys.stderr, highlight=False)
     if not (enabled and console.is_terminal):
-        yield lambda done, total: None
+        yield Progress()
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+    from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
 
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(description, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
+    with Bar(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+             TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
+        yield Progress(bar, bar.add_task(description, total=None), bar.console)

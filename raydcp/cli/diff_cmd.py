@@ -11,10 +11,8 @@ import argparse
 import math
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
-from ._common import EXIT_FOUND, EXIT_OK, add_storage_options, print_json, stdout, storage_options
+from ._common import EXIT_FOUND, EXIT_OK, add_storage_options, print_json, progress_bar, safe, stdout, storage_options
 from ._registry import Command, register
 
 __all__ = ["COMMAND", "compare_tensors", "same_value"]
@@ -28,11 +26,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", metavar="SIZE", default="512MiB",
                         help="bytes of tensors loaded at a time from each checkpoint (default 512MiB)")
     parser.add_argument("--json", action="store_true", help="print the differences as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
     add_storage_options(parser)
 
 
-def _numeric(t: torch.Tensor) -> torch.Tensor:
+def _numeric(t):
     """``t`` in a dtype that subtraction, abs and isclose support, without losing precision."""
+    import torch
+
     if t.dtype.is_complex:
         return t.to(torch.complex128)
     if t.dtype == torch.float64:
@@ -42,8 +43,10 @@ def _numeric(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)  # bool and integers
 
 
-def compare_tensors(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float]:
+def compare_tensors(a, b, rtol: float, atol: float) -> tuple[bool, float]:
     """(equal within tolerance, largest absolute difference; inf where only one side is NaN)."""
+    import torch
+
     if a.numel() == 0:
         return True, 0.0
     exact = rtol == 0 and atol == 0
@@ -75,7 +78,7 @@ def same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _diff(args: argparse.Namespace) -> dict[str, Any]:
+def _diff(args: argparse.Namespace, progress=None) -> dict[str, Any]:
     from ..convert import TensorSource, parse_size
 
     if not (args.rtol >= 0 and args.atol >= 0):
@@ -99,7 +102,7 @@ def _diff(args: argparse.Namespace) -> dict[str, Any]:
             different[key] = {"reason": f"{ta.dtype}{list(ta.shape)} vs {tb.dtype}{list(tb.shape)}"}
         else:
             comparable.append(key)
-    for (key, a), (_, b) in zip(src_a.iter_tensors(comparable), src_b.iter_tensors(comparable)):
+    for (key, a), (_, b) in zip(src_a.iter_tensors(comparable, progress=progress), src_b.iter_tensors(comparable)):
         equal, max_diff = compare_tensors(a, b, args.rtol, args.atol)
         if not equal:
             different[key] = {"reason": "values differ", "max_abs_diff": max_diff}
@@ -113,10 +116,11 @@ def _diff(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.markup import escape
     from rich.table import Table
 
-    result = _diff(args)
+    escape = safe
+    with progress_bar("diff", enabled=not args.no_progress and not args.json) as progress:
+        result = _diff(args, progress)
     status = EXIT_OK if result["identical"] else EXIT_FOUND
     if args.json:
         print_json({**result, "different": {k: {**v, "max_abs_diff": _json_float(v.get("max_abs_diff"))}

@@ -5,9 +5,7 @@ import argparse
 import datetime as _dt
 from typing import Any
 
-from ..codec import encode_value
-from ..metadata import Metadata, TensorMeta
-from ._common import EXIT_OK, add_storage_options, human_bytes, print_json, stdout, storage_options
+from ._common import EXIT_OK, add_storage_options, human_bytes, print_json, safe, stdout, storage_options
 from ._registry import Command, register
 
 __all__ = ["COMMAND", "describe"]
@@ -19,12 +17,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_storage_options(parser)
 
 
-def _files(t: TensorMeta) -> list[str]:
+def _files(t) -> list[str]:
     return sorted({c.file for c in t.chunks})
 
 
-def describe(path: str, md: Metadata) -> dict[str, Any]:
+def describe(path: str, md) -> dict[str, Any]:
     """The JSON form of ``inspect``: plain values use raydcp's tagged JSON (``codec.encode_value``)."""
+    from ..codec import encode_value
+
     return {
         "path": path,
         "format_version": f"{md.version[0]}.{md.version[1]}",
@@ -54,7 +54,6 @@ def _value_text(v: Any, limit: int = 80) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.markup import escape as esc
     from rich.table import Table
 
     from ..engine import read_metadata
@@ -69,14 +68,15 @@ def run(args: argparse.Namespace) -> int:
 
     out = stdout()
     created = _dt.datetime.fromtimestamp(md.created_at, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    esc = safe
     out.print(f"[bold]{esc(url)}[/bold]")
-    out.print(f"format version {md.version[0]}.{md.version[1]}   save id {md.save_id}   "
+    out.print(f"format version {md.version[0]}.{md.version[1]}   save id {esc(md.save_id)}   "
               f"saved by world size {md.world_size}   created {created}")
-    out.print(f"{len(md.tensors)} tensors, {human_bytes(md.total_bytes)} ({md.total_bytes} bytes) "
+    pieces = sum(len(t.chunks) for t in md.tensors.values())
+    out.print(f"{len(md.tensors)} tensors in {pieces} pieces, {human_bytes(md.total_bytes)} ({md.total_bytes} bytes) "
               f"in {len(md.files)} data files; {len(md.values)} plain values")
 
     table = Table(title="Tensors", title_justify="left", show_footer=bool(md.tensors))
-    pieces = sum(len(t.chunks) for t in md.tensors.values())
     table.add_column("key", overflow="fold", footer=f"total ({len(md.tensors)} tensors)")
     table.add_column("shape")
     table.add_column("dtype")
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_column("bytes", justify="right", footer=f"{md.total_bytes:,}")
     table.add_column("files", overflow="fold", footer=f"{len(md.files)} file{'' if len(md.files) == 1 else 's'}")
     for key, t in sorted(md.tensors.items()):
-        table.add_row(esc(key), esc(str(list(t.shape))), t.dtype, str(len(t.chunks)), f"{t.nbytes:,}",
+        table.add_row(esc(key), esc(str(list(t.shape))), esc(t.dtype), str(len(t.chunks)), f"{t.nbytes:,}",
                       esc(_short_files(_files(t))))
     out.print(table)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import EXIT_OK, human_bytes, print_json, progress_bar, stderr, stdout
+from ._common import EXIT_OK, human_bytes, print_json, progress_bar, safe, stdout
 from ._registry import Command, register
 
 __all__ = ["COMMAND"]
@@ -19,16 +19,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.markup import escape
-
     from ..reshard import reshard
     from ..reshard.args import options_from_args, storage_options_from_args
 
     options = options_from_args(args)
     src_opts, dst_opts = storage_options_from_args(args)
-    err = stderr()
-    say = None if args.quiet else (lambda msg: err.print(f"raydcp reshard: {msg}", markup=False, highlight=False))
+    escape = safe
     with progress_bar("reshard", enabled=not args.no_progress) as progress:
+        say = None if args.quiet else (lambda msg: progress.log(f"raydcp reshard: {msg}"))  # above the bar
         result = reshard(args.src, args.dst, options, src_storage_options=src_opts, dst_storage_options=dst_opts,
                          overwrite=args.overwrite, timeout_s=args.timeout, progress=progress, log=say)
     if args.json:

@@ -25,9 +25,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..convert.detect import hint_for_url
+    from ..errors import CheckpointError
     from ..pipeline.check import inspect_pipeline
 
-    report = inspect_pipeline(args.path, storage_options(args), full=args.verify)
+    try:
+        report = inspect_pipeline(args.path, storage_options(args), full=args.verify)
+    except CheckpointError:
+        hint = hint_for_url(args.path, storage_options(args))  # a torch DCP, safetensors, torch.save path
+        if hint:
+            raise CheckpointError(hint) from None
+        raise
     status = EXIT_OK if report.ok else EXIT_FOUND
     if args.json:
         print_json(report.to_dict())
@@ -37,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(report) -> None:
-    from rich.markup import escape
     from rich.table import Table
+
+    from ._common import safe as escape
 
     out = stdout()
     r = report.record

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import EXIT_FOUND, EXIT_OK, add_storage_options, print_json, stderr, stdout, storage_options
+from ._common import (EXIT_FOUND, EXIT_OK, add_storage_options, print_json, progress_bar, safe, stderr, stdout,
+                      storage_options)
 from ._registry import Command, register
 
 __all__ = ["COMMAND"]
@@ -18,15 +19,23 @@ _SHOWN = 20  # problems listed before "... and N more"
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="checkpoint directory (local path or fsspec URL)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
     add_storage_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.markup import escape
-
+    from ..storage import CheckpointStorage
     from ..verify import verify_checkpoint
 
-    report = verify_checkpoint(args.path, storage_options(args))
+    opts = storage_options(args)
+    storage = CheckpointStorage(args.path, opts)
+    if not storage.is_committed() and not storage.list_files("data/"):
+        # no raydcp checkpoint there at all (a wrong path, another format): an error, exit 2; data
+        # files without their metadata are a damaged checkpoint, reported below (exit 1)
+        storage.read_metadata_bytes()
+    with progress_bar("verify", enabled=not args.no_progress and not args.json) as progress:
+        report = verify_checkpoint(args.path, opts, progress=progress)
+    escape = safe
     status = EXIT_OK if report.ok else EXIT_FOUND
     if args.json:
         print_json(report.to_dict())

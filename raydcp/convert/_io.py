@@ -28,6 +28,7 @@ from ..metadata import Metadata, TensorMeta
 from ..planner import numel
 from ..planner.save import _tiling_problems
 from ..transport import LocalTransport
+from .keys import KeySelection
 
 __all__ = ["DEFAULT_BUDGET", "Progress", "TensorSource", "parse_size", "tensor_nbytes", "ConvertResult",
            "Destination"]
@@ -65,10 +66,16 @@ def tensor_nbytes(tm: TensorMeta) -> int:
 
 
 class TensorSource:
-    """A committed raydcp checkpoint, read as whole tensors in bounded groups."""
+    """A committed raydcp checkpoint, read as whole tensors in bounded groups.
+
+    With a :class:`~raydcp.convert.keys.KeySelection`, :attr:`keys` are the source keys it keeps,
+    and :meth:`load_group` / :meth:`iter_tensors` / :attr:`values` give them under their
+    destination names, cast to their destination dtypes.
+    """
 
     def __init__(self, checkpoint_id, storage_options: dict | None = None, *,
-                 budget_bytes: int = DEFAULT_BUDGET, metadata: Metadata | None = None):
+                 budget_bytes: int = DEFAULT_BUDGET, metadata: Metadata | None = None,
+                 select: KeySelection | None = None):
         if not isinstance(budget_bytes, int) or budget_bytes < 1:
             raise CheckpointError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
         self.checkpoint_id = checkpoint_id
@@ -77,14 +84,32 @@ class TensorSource:
         if metadata is None:
             metadata = read_metadata(checkpoint_id, storage_options=storage_options)
         self.metadata = metadata
+        self.select = select or KeySelection()
+        self.names = self.select.names(metadata.keys())  # source key -> destination key, keys kept
 
     @property
     def keys(self) -> list[str]:
-        return sorted(self.metadata.tensors)
+        """The source keys of the tensors kept, sorted."""
+        return sorted(k for k in self.metadata.tensors if k in self.names)
+
+    @property
+    def values(self) -> dict:
+        """The plain values kept, by destination name."""
+        return {self.names[k]: v for k, v in self.metadata.values.items() if k in self.names}
+
+    @property
+    def dropped(self) -> list[str]:
+        return sorted(k for k in self.metadata.keys() if k not in self.names)
+
+    def dest_dtype(self, key: str) -> str:
+        return self.select.cast(key, self.metadata.tensors[key].dtype)
+
+    def dest_nbytes(self, key: str) -> int:
+        return numel(self.metadata.tensors[key].shape) * dtype_from_name(self.dest_dtype(key)).itemsize
 
     def nbytes(self, keys: Iterable[str] | None = None) -> int:
-        tensors = self.metadata.tensors
-        return sum(tensor_nbytes(tensors[k]) for k in (self.keys if keys is None else keys))
+        """Bytes of the tensors ``keys`` (source keys; all kept by default) as they are written."""
+        return sum(self.dest_nbytes(k) for k in (self.keys if keys is None else keys))
 
     def groups(self, keys: Sequence[str], max_bytes: int | None = None) -> list[list[str]]:
         """``keys`` (in order) cut into consecutive groups of at most ``max_bytes`` (the budget)."""
@@ -101,7 +126,8 @@ class TensorSource:
         return out
 
     def load_group(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Whole tensors for ``keys``, freshly allocated and filled by ``raydcp.load``."""
+        """Whole tensors for the source ``keys``, freshly allocated and filled by ``raydcp.load``,
+        by destination name and in the destination dtype."""
         tensors = self.metadata.tensors
         missing = [k for k in keys if k not in tensors]
         if missing:
@@ -117,11 +143,16 @@ class TensorSource:
         if out:
             load_with(LocalTransport(), out, self.checkpoint_id, strict=False, storage_options=self.storage_options,
                       warn_skipped=False)  # a subset of the keys, on purpose
-        return out
+        named = {}
+        for k in keys:
+            t = out.pop(k)
+            dtype = self.dest_dtype(k)
+            named[self.names.get(k, k)] = t if dtype == tensors[k].dtype else t.to(dtype_from_name(dtype))
+        return named
 
     def iter_tensors(self, keys: Sequence[str] | None = None,
                      progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(key, whole tensor)`` in ``keys`` order (all tensors, sorted, by default)."""
+        """Yield ``(destination key, whole tensor)`` in ``keys`` order (all kept tensors, sorted, by default)."""
         keys = self.keys if keys is None else list(keys)
         total, done = self.nbytes(keys), 0
         if progress:
@@ -129,8 +160,9 @@ class TensorSource:
         for group in self.groups(keys):
             loaded = self.load_group(group)
             for key in group:
-                t = loaded.pop(key)
-                yield key, t
+                name = self.names.get(key, key)
+                t = loaded.pop(name)
+                yield name, t
                 done += t.numel() * t.element_size()
                 if progress:
                     progress(done, total)
@@ -148,6 +180,7 @@ class ConvertResult:
     nbytes: int = 0
     files: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    dropped: int = 0  # keys left out by the KeySelection
 
 
 class Destination:

@@ -23,6 +23,7 @@ import torch
 from ..codec import dtype_from_name, encode_value
 from ..errors import CheckpointError
 from ._io import DEFAULT_BUDGET, ConvertResult, Destination, Progress, TensorSource
+from .keys import KeySelection
 
 __all__ = ["to_safetensors", "to_torch_save", "INDEX_NAME", "VALUES_KEY", "shard_name"]
 
@@ -36,17 +37,18 @@ def shard_name(i: int, n: int) -> str:
 
 
 def to_safetensors(src, dst, *, max_shard_bytes: int = 5 * 10**9, storage_options: dict | None = None,
-                   overwrite: bool = False, progress: Progress | None = None) -> ConvertResult:
-    """Write the raydcp checkpoint ``src`` as safetensors shards plus an index in directory ``dst``."""
+                   overwrite: bool = False, progress: Progress | None = None,
+                   select: KeySelection | None = None) -> ConvertResult:
+    """Write the raydcp checkpoint ``src`` as safetensors shards plus an index in directory ``dst``
+    (the keys ``select`` keeps, renamed and cast as it says)."""
     import safetensors.torch as st
 
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise CheckpointError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    source = TensorSource(src, storage_options)
-    md = source.metadata
+    source = TensorSource(src, storage_options, select=select)
     supported = set(getattr(st, "_TYPES", {}).values())  # safetensors' dtype table, where it has one
-    bad = [f"{k} ({t.dtype})" for k, t in md.tensors.items()
-           if supported and dtype_from_name(t.dtype) not in supported]
+    bad = [f"{k} ({source.dest_dtype(k)})" for k in source.keys
+           if supported and dtype_from_name(source.dest_dtype(k)) not in supported]
     if bad:
         raise CheckpointError(
             f"safetensors cannot store the dtype of {len(bad)} tensor(s): {', '.join(sorted(bad)[:10])}")
@@ -56,8 +58,10 @@ def to_safetensors(src, dst, *, max_shard_bytes: int = 5 * 10**9, storage_option
 
     shards = source.groups(source.keys, max_shard_bytes)
     n = len(shards) or 1
-    values = json.dumps({k: encode_value(v) for k, v in md.values.items()}, separators=(",", ":"))
-    result = ConvertResult(str(src), out.url, "safetensors", len(md.tensors), len(md.values), source.nbytes())
+    kept = source.values
+    values = json.dumps({k: encode_value(v) for k, v in kept.items()}, separators=(",", ":"))
+    result = ConvertResult(str(src), out.url, "safetensors", len(source.keys), len(kept), source.nbytes(),
+                           dropped=len(source.dropped))
     weight_map: dict[str, str] = {}
     total, done = result.nbytes, 0
     if progress:
@@ -66,7 +70,7 @@ def to_safetensors(src, dst, *, max_shard_bytes: int = 5 * 10**9, storage_option
         name = shard_name(i, n)
         tensors = source.load_group(keys)
         meta = {"format": "pt"}
-        if i == 1 and md.values:
+        if i == 1 and kept:
             meta[VALUES_KEY] = values
         path = out.join(name)
         try:
@@ -78,15 +82,15 @@ def to_safetensors(src, dst, *, max_shard_bytes: int = 5 * 10**9, storage_option
             raise
         except Exception as exc:
             raise CheckpointError(f"could not write {out.display(path)}: {type(exc).__name__}: {exc}") from exc
-        weight_map.update({k: name for k in keys})
+        weight_map.update({k: name for k in tensors})
         result.files.append(name)
         done += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
         if progress:
             progress(done, total)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    if md.values:
-        index["metadata"][VALUES_KEY] = {k: encode_value(v) for k, v in md.values.items()}
+    if kept:
+        index["metadata"][VALUES_KEY] = {k: encode_value(v) for k, v in kept.items()}
     out.write_bytes(out.join(INDEX_NAME), (json.dumps(index, indent=2) + "\n").encode())
     result.files.append(INDEX_NAME)
     _remove_stale_shards(out, set(result.files))
@@ -103,14 +107,14 @@ def _remove_stale_shards(out: Destination, keep: set[str]) -> None:
 
 
 def to_torch_save(src, dst, *, storage_options: dict | None = None, overwrite: bool = False,
-                  budget_bytes: int = DEFAULT_BUDGET, progress: Progress | None = None) -> ConvertResult:
+                  budget_bytes: int = DEFAULT_BUDGET, progress: Progress | None = None,
+                  select: KeySelection | None = None) -> ConvertResult:
     """Write the raydcp checkpoint ``src`` as one ``torch.save`` file of a flat {fqn: tensor or value} dict."""
-    source = TensorSource(src, storage_options, budget_bytes=budget_bytes)
-    md = source.metadata
+    source = TensorSource(src, storage_options, budget_bytes=budget_bytes, select=select)
     out = Destination(dst, storage_options)
     out.check_free(directory=False, overwrite=overwrite)
     flat: dict = dict(source.iter_tensors(progress=progress))
-    flat.update(md.values)
+    flat.update(source.values)
     flat = dict(sorted(flat.items()))
     try:
         parent = out.path.rsplit("/", 1)[0] if "/" in out.path else ""
@@ -120,5 +124,5 @@ def to_torch_save(src, dst, *, storage_options: dict | None = None, overwrite: b
             torch.save(flat, f)
     except Exception as exc:
         raise CheckpointError(f"could not write {out.url}: {type(exc).__name__}: {exc}") from exc
-    return ConvertResult(str(src), out.url, "torch-save", len(md.tensors), len(md.values), source.nbytes(),
-                         [out.url])
+    return ConvertResult(str(src), out.url, "torch-save", len(source.keys), len(source.values), source.nbytes(),
+                         [out.url], dropped=len(source.dropped))

@@ -1,12 +1,12 @@
 """Conversion between raydcp checkpoints and torch.distributed.checkpoint (DCP) checkpoints.
 
-To DCP: torch's own ``dcp.save`` writes the checkpoint (FileSystemWriter for a local path,
-FsspecWriter for a URL) in this one process, without a process group, so torch's ``dcp.load``
-reads it. The state dict handed to ``dcp.save`` holds meta-device placeholders; the planner
-fetches each real tensor from raydcp only when DCP writes it, a bounded group at a time
-(:class:`~raydcp.convert._io.TensorSource`), and DCP writes one file per tensor, so memory
-stays about ``max(budget, largest tensor)``. Keys are raydcp's flat dotted FQNs, which are the
-FQNs DCP itself gives a nested state dict, so ``dcp.load`` of the nested dict finds them.
+To DCP: the files DCP's FileSystemWriter writes by default, one ``__R_0.distcp`` per rank
+that saved the source (each holding that rank's pieces, each the ``torch.save`` of the piece at
+the byte range its storage record names; plain values in rank 0's file) and the ``.metadata``
+pickle of DCP's own metadata types, written last. Pieces are loaded a bounded group at a time
+and streamed into their file, so memory stays about ``max(budget, largest piece)``. Keys are
+raydcp's flat dotted FQNs, which are the FQNs DCP itself gives a nested state dict, so torch's
+``dcp.load`` of the nested dict finds them.
 
 From DCP: the ``.metadata`` pickle is read only through the restricted unpickler of
 :mod:`raydcp.convert.dcp_pickle`; each saved chunk is the ``torch.save`` of a tensor at the byte
@@ -19,81 +19,179 @@ from __future__ import annotations
 
 import gc
 import io
+import math
 import os
-import warnings
+import pickle
+import re
 from typing import Any
 
 import torch
 
 from ..codec import dtype_from_name, dtype_name, is_plain_value
-from ..engine import save
+from ..engine import load, save
 from ..errors import CheckpointError
 from ..planner.save import _tiling_problems
 from ..storage import CheckpointStorage
 from ._io import DEFAULT_BUDGET, ConvertResult, Destination, Progress, TensorSource
+from ..state import Shard
 from .dcp_pickle import read_dcp_metadata
+from .keys import KeySelection
 
 __all__ = ["to_torch_dcp", "from_torch_dcp"]
 
+_RANK_FILE = re.compile(r"(?:^|/)r(\d+)-f\d+\.bin$")  # raydcp's data file names: data/<save id>/r00003-f000.bin
+
+
+def _saving_rank(file: str, world_size: int) -> int | None:
+    m = _RANK_FILE.search(file)
+    return int(m.group(1)) if m and int(m.group(1)) < world_size else None
+
+
+def _rank_pieces(source: TensorSource) -> dict[int, list[tuple[str, Any]]]:
+    """Every stored piece of the kept tensors, by the rank that saved it (from its data file's
+    name; pieces of files named otherwise, e.g. a reshard's, are spread over the ranks by bytes)."""
+    md = source.metadata
+    world = max(1, md.world_size)
+    by_rank: dict[int, list[tuple[str, Any]]] = {r: [] for r in range(world)}
+    load = [0] * world
+    for key in source.keys:
+        chunks = list(md.tensors[key].chunks)
+        if not chunks:  # an empty tensor stored without a piece: DCP needs one chunk for it
+            by_rank[0].append((key, None))
+        for c in chunks:
+            r = _saving_rank(c.file, world)
+            if r is None:
+                r = min(range(world), key=lambda i: (load[i], i))
+            load[r] += c.nbytes
+            by_rank[r].append((key, c))
+    return by_rank
+
+
+def _piece_groups(pieces: list[tuple[str, Any]], sizes: dict, budget: int) -> list[list[tuple[str, Any]]]:
+    """Consecutive groups of at most ``budget`` bytes, each holding a key at most once."""
+    groups: list[list[tuple[str, Any]]] = []
+    size, keys = 0, set()
+    for key, c in pieces:
+        n = sizes[key] if c is None else c.nbytes
+        if not groups or size + n > budget or key in keys:
+            groups.append([])
+            size, keys = 0, set()
+        groups[-1].append((key, c))
+        size += n
+        keys.add(key)
+    return groups
+
 
 def to_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: bool = False,
-                 budget_bytes: int = DEFAULT_BUDGET, progress: Progress | None = None) -> ConvertResult:
-    """Write the raydcp checkpoint ``src`` as a torch DCP checkpoint at ``dst``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+                 budget_bytes: int = DEFAULT_BUDGET, progress: Progress | None = None,
+                 select: KeySelection | None = None) -> ConvertResult:
+    """Write the raydcp checkpoint ``src`` as a torch DCP checkpoint at ``dst``: one
+    ``__R_0.distcp`` file per rank that saved ``src``, holding that rank's pieces, and ``.metadata``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
 
-    source = TensorSource(src, storage_options, budget_bytes=budget_bytes)
+    source = TensorSource(src, storage_options, budget_bytes=budget_bytes, select=select)
+    md = source.metadata
+    gaps = [p for k in source.keys for p in _tiling_problems(k, md.tensors[k].shape,
+                                                             [(c.offsets, c.sizes) for c in md.tensors[k].chunks])]
+    if gaps:
+        raise CheckpointError(f"{source.checkpoint_id}: the metadata's pieces do not form whole tensors "
+                              f"(run `raydcp verify`): {'; '.join(gaps[:5])}")
     out = Destination(dst, storage_options)
     out.check_free(directory=True, overwrite=overwrite)
-    md = source.metadata
-    order = source.keys
-    groups = source.groups(order)
-    group_of = {k: i for i, g in enumerate(groups) for k in g}
+    out.makedirs()
+    names = source.names
+    entries: dict[str, Any] = {}
+    for key in source.keys:
+        t = md.tensors[key]
+        entries[names[key]] = TensorStorageMetadata(TensorProperties(dtype=dtype_from_name(source.dest_dtype(key))),
+                                                    torch.Size(t.shape), [])
+    storage_data: dict = {}
     total, done = source.nbytes(), 0
-    cache: dict[str, torch.Tensor] = {}
-
-    def fetch(key: str) -> torch.Tensor:
-        nonlocal cache, done
-        if key not in cache:
-            cache = {}  # drop the previous group before loading the next; torch.save leaves
-            gc.collect(1)  # reference cycles that keep the tensors DCP wrote alive until collected
-            cache = source.load_group(groups[group_of[key]])
-        t = cache.pop(key)
-        done += t.numel() * t.element_size()
-        if progress:
-            progress(done, total)
-        return t
-
-    class _LazyPlanner(DefaultSavePlanner):
-        def resolve_data(self, write_item):
-            if write_item.index.fqn in group_of:
-                return fetch(write_item.index.fqn)
-            return super().resolve_data(write_item)
-
-    state: dict[str, Any] = {
-        k: torch.empty(md.tensors[k].shape, dtype=dtype_from_name(md.tensors[k].dtype), device="meta") for k in order
-    }
-    state.update(md.values)
-    # one file per tensor: DCP keeps every tensor of a file alive until the file is closed
-    if out.local:
-        out.makedirs()
-        writer = dcp.FileSystemWriter(out.path, single_file_per_rank=False)
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        writer = FsspecWriter(out.url, single_file_per_rank=False, **(storage_options or {}))
+    sizes = {k: source.dest_nbytes(k) for k in source.keys}
+    files = []
     if progress:
         progress(0, total)
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=writer, planner=_LazyPlanner())
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"torch DCP could not write {out.url}: {_describe(exc)}") from exc
-    files = sorted(p.rsplit("/", 1)[-1] for p in out.fs.ls(out.path, detail=False))
-    return ConvertResult(str(src), out.url, "torch-dcp", len(order), len(md.values), total, files)
+    for rank, pieces in _rank_pieces(source).items():
+        values = source.values if rank == 0 else {}
+        if not pieces and not values:
+            continue
+        name = f"__{rank}_0.distcp"
+        path = out.join(name)
+        with out.guard("write"), out.open(path, "wb") as f:
+            pos = 0
+
+            def put(obj: Any) -> tuple[int, int]:
+                nonlocal pos
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                f.write(buf.getbuffer())
+                start, pos = pos, pos + buf.tell()
+                return start, pos - start
+
+            for group in _piece_groups(pieces, sizes, source.budget):
+                for key, data in _load_pieces(source, group):
+                    new, c = names[key], data[1]
+                    offsets = tuple(c.offsets) if c is not None else (0,) * len(md.tensors[key].shape)
+                    start, length = put(data[0])
+                    entries[new].chunks.append(ChunkStorageMetadata(torch.Size(offsets), data[0].size()))
+                    storage_data[MetadataIndex(new, torch.Size(offsets), 0)] = _StorageInfo(name, start, length)
+                    done += data[0].numel() * data[0].element_size()
+                    if progress:
+                        progress(done, total)
+                data = None  # nothing of this group stays alive while the next one loads; torch.save
+                gc.collect(1)  # leaves reference cycles that hold the tensors it wrote until collected
+            for key, value in sorted(values.items()):
+                start, length = put(value)
+                entries[key] = BytesStorageMetadata()
+                storage_data[MetadataIndex(key)] = _StorageInfo(name, start, length)
+        files.append(name)
+    for e in entries.values():
+        if isinstance(e, TensorStorageMetadata):  # dcp.load finds a chunk by its index in this list
+            e.chunks.sort(key=lambda ch: tuple(ch.offsets))
+    for index in list(storage_data):
+        if index.offset is not None:
+            chunks = entries[index.fqn].chunks
+            pos = next(i for i, ch in enumerate(chunks) if tuple(ch.offsets) == tuple(index.offset))
+            storage_data[MetadataIndex(index.fqn, index.offset, pos)] = storage_data.pop(index)
+    dcp_md = Metadata(state_dict_metadata=dict(sorted(entries.items())),
+                      planner_data={k: (k,) for k in entries}, storage_data=storage_data)
+    out.write_bytes(out.join(".metadata"), pickle.dumps(dcp_md))
+    _remove_stale_distcp(out, set(files))
+    return ConvertResult(str(src), out.url, "torch-dcp", len(source.keys), len(source.values), total,
+                         sorted(files) + [".metadata"], dropped=len(source.dropped))
+
+
+def _load_pieces(source: TensorSource, group: list[tuple[str, Any]]):
+    """``(key, (piece in the destination dtype, chunk))`` for the pieces of ``group``, loaded at once."""
+    md = source.metadata
+    state = {}
+    for key, c in group:
+        t = md.tensors[key]
+        dtype = dtype_from_name(t.dtype)
+        if c is None:
+            state[key] = torch.empty(t.shape, dtype=dtype)
+        else:
+            state[key] = Shard(torch.empty(tuple(c.sizes), dtype=dtype), tuple(c.offsets), tuple(t.shape))
+    load({k: v for k, v in state.items()}, source.checkpoint_id, strict=False,
+         storage_options=source.storage_options)
+    for key, c in group:
+        piece = state.pop(key)
+        piece = piece.tensor if isinstance(piece, Shard) else piece
+        dtype = source.dest_dtype(key)
+        if dtype != md.tensors[key].dtype:
+            piece = piece.to(dtype_from_name(dtype))
+        yield key, (piece, c)
+
+
+def _remove_stale_distcp(out: Destination, keep: set[str]) -> None:
+    """Files of an earlier export with more ranks would sit beside the new ones."""
+    with out.guard("clean up"):
+        for path in out.fs.ls(out.path, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if name.endswith(".distcp") and name not in keep:
+                out.fs.rm_file(path)
 
 
 def _describe(exc: BaseException) -> str:
@@ -113,8 +211,9 @@ def from_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: 
                for idx, info in md.storage_data.items()}
     result = ConvertResult(storage.url, os.fspath(dst), "raydcp")
     entries = sorted(md.state_dict_metadata.items())
-    total = sum(e.size.numel() * e.properties.dtype.itemsize
-                for _, e in entries if isinstance(e, TensorStorageMetadata))
+    file_sizes: dict[str, int | None] = {}
+    total = sum(_check_sizes(storage, fqn, e, records, file_sizes)
+                for fqn, e in entries if isinstance(e, TensorStorageMetadata))
     flat: dict[str, Any] = {}
     done = 0
     if progress:
@@ -185,6 +284,36 @@ def _record(storage: CheckpointStorage, fqn: str, offsets, records: dict):
         raise CheckpointError(f"{storage.url}: {fqn} was written with stream transforms {info.transform_descriptors} "
                               "(e.g. compression), which raydcp cannot read; save it with the default FileSystemWriter")
     return info
+
+
+def _check_sizes(storage: CheckpointStorage, fqn: str, entry, records: dict, sizes: dict) -> int:
+    """The tensor's bytes, once every chunk's claimed size is backed by its storage record and the
+    record by its file: hostile metadata (2**62 elements) fails here, before anything is allocated."""
+    itemsize = entry.properties.dtype.itemsize
+    whole = math.prod(entry.size) * itemsize  # Python ints: no overflow
+    stored = 0
+    for c in entry.chunks:
+        need = math.prod(c.sizes) * itemsize
+        info = _record(storage, fqn, tuple(c.offsets), records)
+        if need > info.length:
+            raise CheckpointError(
+                f"{storage.url}: {fqn}: the DCP metadata claims a chunk of {list(c.sizes)} {entry.properties.dtype} "
+                f"elements ({need} bytes) at {list(c.offsets)}, but its storage record holds only {info.length} "
+                f"bytes of {info.relative_path}; the metadata is damaged or forged, nothing was read")
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = storage.file_size(info.relative_path)
+        size = sizes[info.relative_path]
+        if size is None or info.offset + info.length > size:
+            have = "is missing" if size is None else f"holds {size} bytes"
+            raise CheckpointError(
+                f"{storage.file_url(info.relative_path)} ({fqn}): the storage record needs bytes "
+                f"{info.offset}..{info.offset + info.length}, the file {have}; the checkpoint is damaged")
+        stored += need
+    if whole > stored:
+        raise CheckpointError(
+            f"{storage.url}: {fqn}: the DCP metadata claims {list(entry.size)} {entry.properties.dtype} "
+            f"({whole} bytes) but its chunks hold {stored} bytes; the metadata is damaged or forged, nothing was read")
+    return whole
 
 
 def _read_bytes(storage: CheckpointStorage, fqn: str, info) -> io.BytesIO:

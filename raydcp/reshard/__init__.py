@@ -7,9 +7,22 @@ budget, :mod:`.rank` is what every rank does in a round, :mod:`.driver` checks t
 destination, runs the rounds and commits once (resuming a failed run, doing nothing when
 the destination already holds the result).
 """
-from .driver import EXTRA_KEY, ReshardResult, RoundExecutor, ThreadExecutor, reshard, reshard_with
-from .plan import LAYOUTS, ReshardOptions, ReshardPlan, plan_reshard
-from .rank import RoundTask, run_round
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["ReshardOptions", "ReshardPlan", "ReshardResult", "RoundExecutor", "ThreadExecutor", "RoundTask",
            "plan_reshard", "reshard", "reshard_with", "run_round", "LAYOUTS", "EXTRA_KEY"]
+
+# loaded on first use, so that `raydcp --help` (which builds reshard's options from .args) imports no torch
+_LAZY = {"EXTRA_KEY": ".driver", "ReshardResult": ".driver", "RoundExecutor": ".driver", "ThreadExecutor": ".driver",
+         "reshard": ".driver", "reshard_with": ".driver", "LAYOUTS": ".args", "ReshardOptions": ".plan",
+         "ReshardPlan": ".plan", "plan_reshard": ".plan", "RoundTask": ".rank", "run_round": ".rank"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'raydcp.reshard' has no attribute {name!r}")

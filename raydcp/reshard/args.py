@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..convert.keys import add_key_arguments, key_selection_from_args
 from ..errors import CheckpointError
-from .plan import LAYOUTS, OPTIMIZER_PREFIXES, ReshardOptions
 
-__all__ = ["add_reshard_arguments", "options_from_args", "storage_options_from_args"]
+__all__ = ["LAYOUTS", "add_reshard_arguments", "options_from_args", "storage_options_from_args"]
+
+# here rather than in .plan so that building the parser imports no torch (`raydcp --help`)
+LAYOUTS = ("dim0", "dim1", "replicated")
 
 
 def add_reshard_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +23,7 @@ def add_reshard_arguments(parser: argparse.ArgumentParser) -> None:
                              "dim1 (columns, tensor-parallel style) or replicated (written once)")
     parser.add_argument("--consolidate", action="store_true",
                         help="store every tensor whole, as one piece (each held by one of the M ranks)")
-    parser.add_argument("--dtype", default=None, metavar="DTYPE",
-                        help="cast floating tensors to DTYPE (bf16, fp16, fp32, ...); others are copied unchanged")
-    parser.add_argument("--drop-optimizer", action="store_true",
-                        help=f"leave out optimizer state (keys under {', '.join(OPTIMIZER_PREFIXES)})")
-    parser.add_argument("--drop", action="append", default=[], metavar="PREFIX",
-                        help="leave out this key and the keys under it (repeatable), e.g. --drop model.lm_head")
+    add_key_arguments(parser)
     parser.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
                         help="tensor bytes one process holds at a time (default 1GiB); the work is cut into "
                              "rounds that fit, a tensor larger than that into blocks of rows")
@@ -43,13 +41,17 @@ def add_reshard_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fsspec options for DST only (overrides --storage-options)")
 
 
-def options_from_args(args: argparse.Namespace) -> ReshardOptions:
+def options_from_args(args: argparse.Namespace):
+    """The :class:`raydcp.reshard.plan.ReshardOptions` the parsed arguments ask for."""
     from ..convert import parse_size
+    from .plan import ReshardOptions
 
     if args.consolidate and args.layout is not None:
         raise CheckpointError("--consolidate stores whole tensors: it cannot be combined with --layout")
-    return ReshardOptions(world_size=args.world_size, layout=args.layout or "dim0", dtype=args.dtype,
-                          drop_optimizer=args.drop_optimizer, drop_prefixes=tuple(args.drop),
+    keys = key_selection_from_args(args)
+    return ReshardOptions(world_size=args.world_size, layout=args.layout or "dim0", dtype=keys.dtype,
+                          drop_optimizer=keys.drop_optimizer, drop_prefixes=keys.drop_prefixes,
+                          strip_prefixes=keys.strip_prefixes, dtype_all=keys.dtype_all,
                           consolidate=args.consolidate, memory_budget=parse_size(args.memory_budget),
                           max_file_bytes=parse_size(args.max_file_size))
 

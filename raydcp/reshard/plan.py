@@ -19,33 +19,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from ..codec import DTYPES, dtype_from_name, itemsize
+from ..codec import itemsize
+from ..convert.keys import OPTIMIZER_PREFIXES, KeySelection, dtype_alias
 from ..errors import CheckpointError
 from ..metadata import Metadata
 from ..planner import TensorSpec
 from ..planner.boxes import numel
 from ..planner.save import ALIGN, _tiling_problems
+from .args import LAYOUTS
 
 __all__ = ["LAYOUTS", "OPTIMIZER_PREFIXES", "ReshardOptions", "Part", "Round", "ReshardPlan", "plan_reshard",
            "piece_box", "part_box", "dtype_alias"]
 
-LAYOUTS = ("dim0", "dim1", "replicated")
-OPTIMIZER_PREFIXES = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-            "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn"}
 # the two ways of counting a round's memory: one process holds every rank's pieces (threads),
 # or one process per rank (actors)
 PER_PROCESS = ("sum", "max")
-
-
-def dtype_alias(name: str) -> str:
-    """A floating dtype name as raydcp stores it (``bf16`` -> ``bfloat16``)."""
-    full = _ALIASES.get(str(name).lower(), str(name).lower())
-    if full not in DTYPES or not DTYPES[full].is_floating_point:
-        floats = [n for n, d in DTYPES.items() if d.is_floating_point]
-        raise CheckpointError(f"--dtype {name!r} is not a floating dtype; choose one of {', '.join(floats)} "
-                              f"(or {', '.join(_ALIASES)})")
-    return full
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,9 +42,11 @@ class ReshardOptions:
 
     world_size: int
     layout: str = "dim0"
-    dtype: str | None = None             # cast floating tensors to it; others are copied as they are
+    dtype: str | None = None             # cast the model's floating tensors to it (see KeySelection)
     drop_optimizer: bool = False         # drop keys under OPTIMIZER_PREFIXES
     drop_prefixes: tuple[str, ...] = ()  # drop these keys and everything under them (dotted FQNs)
+    strip_prefixes: tuple[str, ...] = ()  # remove "PREFIX." from the keys that start with it
+    dtype_all: bool = False              # with dtype: the optimizer's floating tensors too (never `step`)
     consolidate: bool = False            # each tensor whole, on one rank
     memory_budget: int = 1 << 30         # bytes of tensor data one process holds at a time
     max_file_bytes: int = 256 << 20      # a rank's pieces of a round are coalesced into files up to this
@@ -66,12 +56,10 @@ class ReshardOptions:
             raise CheckpointError(f"--world-size must be an integer >= 1, got {self.world_size!r}")
         if self.layout not in LAYOUTS:
             raise CheckpointError(f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
-        if self.dtype is not None:
-            object.__setattr__(self, "dtype", dtype_alias(self.dtype))
-        prefixes = tuple(self.drop_prefixes)
-        if any(not isinstance(p, str) or not p.strip(". ") for p in prefixes):
-            raise CheckpointError(f"--drop prefixes must be non-empty key prefixes, got {list(prefixes)}")
-        object.__setattr__(self, "drop_prefixes", tuple(sorted({p.strip(".") for p in prefixes})))
+        keys = KeySelection(drop_optimizer=self.drop_optimizer, drop_prefixes=self.drop_prefixes,
+                            strip_prefixes=self.strip_prefixes, dtype=self.dtype, dtype_all=self.dtype_all)
+        for name in ("dtype", "drop_prefixes", "strip_prefixes"):
+            object.__setattr__(self, name, getattr(keys, name))
         for knob in ("memory_budget", "max_file_bytes"):
             v = getattr(self, knob)
             if not isinstance(v, int) or isinstance(v, bool) or v < ALIGN:
@@ -83,13 +71,22 @@ class ReshardOptions:
         out.pop("memory_budget")
         out.pop("max_file_bytes")
         out["drop_prefixes"] = list(self.drop_prefixes)
+        for knob, default in (("strip_prefixes", ()), ("dtype_all", False)):  # recorded only when used
+            value = out.pop(knob)
+            if value != default:
+                out[knob] = list(value) if isinstance(value, tuple) else value
         if self.consolidate:
             out["layout"] = "consolidated"
         return out
 
+    @property
+    def keys(self) -> KeySelection:
+        """The key filters and casts, shared with ``raydcp convert``."""
+        return KeySelection(drop_optimizer=self.drop_optimizer, drop_prefixes=self.drop_prefixes,
+                            strip_prefixes=self.strip_prefixes, dtype=self.dtype, dtype_all=self.dtype_all)
+
     def dropped(self, key: str) -> bool:
-        prefixes = self.drop_prefixes + (OPTIMIZER_PREFIXES if self.drop_optimizer else ())
-        return any(key == p or key.startswith(p + ".") for p in prefixes)
+        return self.keys.dropped(key)
 
 
 @dataclass(frozen=True)
@@ -240,14 +237,16 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
     if gaps:
         raise CheckpointError("the source's metadata does not describe whole tensors (run `raydcp verify`): "
                               + "; ".join(gaps[:5]))
-    dropped = tuple(k for k in md.keys() if options.dropped(k))
-    keep = [k for k in sorted(md.tensors) if not options.dropped(k)]
-    values = {k: v for k, v in md.values.items() if not options.dropped(k)}
+    select = options.keys
+    names = select.names(md.keys())  # source key -> destination key, for the keys kept
+    dropped = tuple(k for k in md.keys() if k not in names)
+    keep = [k for k in sorted(md.tensors) if k in names]
+    values = {names[k]: v for k, v in md.values.items() if k in names}
 
-    def cast(dtype: str) -> str:
-        return options.dtype if options.dtype and dtype_from_name(dtype).is_floating_point else dtype
+    def cast(key: str) -> str:
+        return select.cast(key, md.tensors[key].dtype)
 
-    tensors = {k: TensorSpec(cast(md.tensors[k].dtype), tuple(md.tensors[k].shape)) for k in keep}
+    tensors = {names[k]: TensorSpec(cast(k), tuple(md.tensors[k].shape)) for k in keep}
 
     def alone(part: Part) -> int:
         return _Cost(world, per_process).plus(*_part_cost(md, part, layout, world)).bytes
@@ -281,7 +280,10 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
 
     for key in keep:
         t = md.tensors[key]
-        whole = Part(key, key, tuple(t.shape), t.dtype, cast(t.dtype))
+        new = names[key]
+        if new != key:  # a renamed tensor: its round key is its new name
+            placement[new] = (new, (0,) * len(t.shape))
+        whole = Part(new, key, tuple(t.shape), t.dtype, cast(key))
         need = alone(whole if not options.consolidate else Part(**{**whole.__dict__, "owner": 0}))
         if need <= budget or len(t.shape) == 0 or t.shape[0] <= 1:
             if need > budget and options.consolidate:
@@ -291,15 +293,15 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
         if options.consolidate:
             raise _too_big(key, need, budget)
         # blocks of rows: a block of r rows costs at most r times what a block of one row costs
-        row = alone(Part(key, key, tuple(t.shape), t.dtype, cast(t.dtype), rows=(0, 1)))
+        row = alone(Part(new, key, tuple(t.shape), t.dtype, cast(key), rows=(0, 1)))
         rows = max(1, budget // max(row, 1))
         for n, lo in enumerate(range(0, t.shape[0], rows)):
-            rkey = f"{key}#{n}"
-            while rkey in md.tensors:
+            rkey = f"{new}#{n}"
+            while rkey in tensors:
                 rkey += "#"
             hi = min(lo + rows, t.shape[0])
-            placement[rkey] = (key, (lo,) + (0,) * (len(t.shape) - 1))
-            add(Part(rkey, key, tuple(t.shape), t.dtype, cast(t.dtype), rows=(lo, hi)))
+            placement[rkey] = (new, (lo,) + (0,) * (len(t.shape) - 1))
+            add(Part(rkey, key, tuple(t.shape), t.dtype, cast(key), rows=(lo, hi)))
     close()
     return ReshardPlan(options, per_process, md.save_id, md.world_size, tensors, values, dropped,
                        tuple(rounds), placement)

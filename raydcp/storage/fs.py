@@ -424,9 +424,11 @@ class CheckpointStorage:
         except CheckpointError:
             if self.is_committed():
                 raise
-        raise CheckpointError(
+        from ..convert.detect import foreign_format_hint  # torch DCP, safetensors, torch.save: say so
+
+        raise CheckpointError(foreign_format_hint(self.fs, self.path, self.url) or (
             f"no committed raydcp checkpoint at {self.url} (missing {METADATA_NAME}): the save has "
             "not committed yet, failed before committing, or the path is wrong; check the path, or "
             "list the committed checkpoints under its parent with raydcp.storage.list_committed"
-        )
+        ))
 

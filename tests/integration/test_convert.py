@@ -254,19 +254,18 @@ def test_parse_size():
 
 
 def test_to_dcp_streams_one_group_at_a_time(tmp_path, monkeypatch):
-    from raydcp.convert import _io
+    from raydcp.convert import torch_dcp
 
     src = tmp_path / "rd"
     raydcp.save({"a": torch.randn(64), "b": torch.randn(64), "c": torch.randn(8)}, src)
-    held, load_group = [], _io.TensorSource.load_group
+    held, real_load = [], torch_dcp.load
 
-    def recording(self, keys):
-        assert all(ref() is None for ref in held), "a tensor already written to DCP is still alive"
-        out = load_group(self, keys)
-        held.extend(weakref.ref(t) for t in out.values())
-        return out
+    def recording(state, *args, **kwargs):
+        assert all(ref() is None for ref in held), "a piece already written to DCP is still alive"
+        real_load(state, *args, **kwargs)
+        held.extend(weakref.ref(v.tensor if isinstance(v, raydcp.Shard) else v) for v in state.values())
 
-    monkeypatch.setattr(_io.TensorSource, "load_group", recording)
+    monkeypatch.setattr(torch_dcp, "load", recording)
     seen = []
     result = to_torch_dcp(src, tmp_path / "dcp", budget_bytes=1, progress=lambda done, total: seen.append(done))
     assert result.tensors == 3 and len(held) == 3 and seen[-1] == result.nbytes == (64 + 64 + 8) * 4
