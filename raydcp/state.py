@@ -1,6 +1,6 @@
 """Flattening state dicts into FQN-addressed leaves, and writing loaded values back.
 
-Leaf kinds (DESIGN.md "State dict leaves"):
+Leaf kinds (README.md, "What a state dict may hold"):
 
 - ``torch.Tensor``: a whole tensor (offsets all zero).
 - ``DTensor``: its local piece; global offsets come from torch's own
