@@ -52,8 +52,32 @@ class GroupBinding:
     persister: Callable[[AsyncOptions], AsyncPersister]
 
 
+def implicit_group() -> Group | None:
+    """What ``group=None`` means here: inside a Ray Train worker, the worker group's own Group
+    (:func:`raydcp.train.checkpoint.worker_group`); else one participant (None). A process of a
+    torch.distributed job of several ranks is refused: each rank would save alone."""
+    if "ray.train" in sys.modules:  # a Ray Train worker has imported it already; elsewhere skip the import
+        from .train.checkpoint import worker_group
+
+        group = worker_group()
+        if group is not None:
+            return group
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        raise CheckpointError(
+            f"torch.distributed is initialized (rank {rank} of {world}) but no group was passed: pass "
+            "group=raydcp.Group(NAME, dist.get_rank(), dist.get_world_size()) on every rank, with the same NAME; "
+            "to save or load from this process alone, group=raydcp.Group(NAME, 0, 1)")
+    return None
+
+
 def resolve_group(group: Group | None) -> GroupBinding:
-    """The transport and persister for a call with ``group``: the one place that picks them."""
+    """The transport and persister for a call with ``group``: the one place that picks them.
+
+    ``group=None`` is first resolved by :func:`implicit_group` (a Ray Train worker's own Group)."""
+    if group is None:
+        group = implicit_group()
     if group is None:
         from .engine.persist import local_persister
 

@@ -41,7 +41,7 @@ from ..storage import CheckpointStorage
 from ._context import checkpoint_dir_name, fsspec_location, is_raydcp_dir_name, new_nonce, train_context
 from .state import TrainState
 
-__all__ = ["save", "restore", "METRICS_KEY", "run_checkpoint_dirs", "remove_uncommitted"]
+__all__ = ["save", "restore", "worker_group", "METRICS_KEY", "run_checkpoint_dirs", "remove_uncommitted"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +88,21 @@ def _group_key(ctx, timeout_s: float) -> tuple:
     return (ctx.get_experiment_name(), ctx.get_world_rank(), ctx.get_world_size(), float(timeout_s))
 
 
+def _derived_group_name(ctx) -> str | None:
+    """The name every rank of this worker group derives alone, or None: the run's name and the
+    worker group's placement group, which Ray Train creates anew for every attempt."""
+    import ray
+
+    pg = ray.get_runtime_context().get_placement_group_id()
+    return f"raydcp-train:{ctx.get_experiment_name()}:{pg}" if pg else None
+
+
 def _proposed_group_name(ctx, timeout_s: float) -> str:
     """Rank 0: the name of this worker group's Group (a new one on first use)."""
     group = _GROUPS.get(_group_key(ctx, timeout_s))
-    return group.name if group is not None else f"raydcp-train:{ctx.get_experiment_name()}:{new_nonce()}"
+    if group is not None:
+        return group.name
+    return _derived_group_name(ctx) or f"raydcp-train:{ctx.get_experiment_name()}:{new_nonce()}"
 
 
 def _group(ctx, name: str, timeout_s: float) -> Group:
@@ -100,6 +111,28 @@ def _group(ctx, name: str, timeout_s: float) -> Group:
     if group is None or group.name != name:
         group = _GROUPS[key] = Group(name, ctx.get_world_rank(), ctx.get_world_size(), timeout_s=timeout_s)
     return group
+
+
+def worker_group(timeout_s: float = 600.0) -> Group | None:
+    """This worker's raydcp Group in its Ray Train worker group, or None outside a training function.
+
+    What ``raydcp.save``/``load``/``async_save`` use without ``group=`` inside a Ray Train worker:
+    the same Group as :func:`save`/:func:`restore` (the same name on every rank, a new one on every
+    attempt of the run). Every rank calls it at the same point, as the operation it is for is a
+    collective; where no placement group names the worker group, rank 0 broadcasts a name.
+    """
+    ctx = train_context()
+    if ctx is None:
+        return None
+    group = _GROUPS.get(_group_key(ctx, timeout_s))
+    if group is not None:
+        return group
+    name = _derived_group_name(ctx)
+    if name is None:
+        from ray.train.collective import broadcast_from_rank_zero
+
+        name = broadcast_from_rank_zero(_proposed_group_name(ctx, timeout_s) if ctx.get_world_rank() == 0 else None)
+    return _group(ctx, name, timeout_s)
 
 
 def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
