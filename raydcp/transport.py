@@ -99,7 +99,7 @@ def run_reduce(step: str, values: list[Any], reduce_fn: ReduceFn) -> list[Any]:
 
 def _unwrap(value: Any) -> Any:
     if isinstance(value, CheckpointError):
-        raise CheckpointError(str(value), value.failures)
+        raise value.copy()  # a copy per rank: ranks in threads of one process raise it at once
     return value
 
 
