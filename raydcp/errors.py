@@ -66,14 +66,14 @@ class CheckpointError(Exception):
     def __reduce__(self):  # picklable across Ray actors with every attribute, for every subclass
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
-    def copy(self, message: str | None = None, failures: Mapping | None = None) -> "CheckpointError":
-        """The same error (type and attributes) as a new object, optionally with another message or failures.
-
-        Raise a copy, not a shared object, where several ranks of one process raise the same error.
-        """
+    def copy(self, message: str | None = None, failures: Mapping | None = None, **attrs) -> "CheckpointError":
+        """The same error (type and attributes) as a new object, optionally with another message,
+        failures or attributes (``key=...``). Raise a copy, not a shared object, where several ranks
+        of one process raise the same error."""
         state = dict(self.__dict__)
         if failures is not None:
             state["failures"] = _failure_map(failures)
+        state.update(attrs)
         return _rebuild(type(self), self.args if message is None else (message,), state)
 
 
@@ -120,8 +120,9 @@ class CheckpointReplacedError(CheckpointError):
 class StateMismatchError(CheckpointError):
     """The state dict does not fit the checkpoint, or the ranks disagree about the state.
 
-    ``missing_keys`` (wanted, not stored), ``unexpected_keys`` (stored, not wanted),
-    ``shapes`` and ``dtypes`` (key -> ``(one side, the other)``); ``keys`` is all of them.
+    ``missing_keys`` (wanted, not stored), ``unexpected_keys`` (stored, not wanted), ``shapes``
+    and ``dtypes`` (key -> the shapes or dtypes that differ: ``(in the checkpoint, wanted)`` on
+    load, one per variant among the ranks on save); ``keys`` is every offending key named.
     """
 
     def __init__(self, message: str, *, missing_keys=(), unexpected_keys=(), shapes: Mapping | None = None,

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import CheckpointError, RankFailure, raise_failures
+from .errors import CheckpointError, RankFailure, RanksTimedOutError, raise_failures
 from .lazy import LazyMapping, LazySequence
 from .planner.types import (Delivery, FileSlot, LocalLoadPlan, LocalSavePlan, ReadItem, SourceChunk, TensorSpec,
                             WriteItem)
@@ -143,10 +143,10 @@ class _ThreadHub:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(self.world_size)) - set(arrived))
-                    raise CheckpointError(
+                    raise RanksTimedOutError(
                         f"{step}: ranks {missing} did not arrive within {self.timeout_s:g}s "
                         f"(rank {rank} waited); check that every rank calls with the same group, "
-                        f"or raise Group(timeout_s=...)"
+                        f"or raise Group(timeout_s=...)", missing_ranks=missing, timeout_s=self.timeout_s
                     )
                 self.cond.wait(left)
             return self.results[key][rank]

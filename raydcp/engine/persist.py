@@ -32,7 +32,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CoordinatorLostError
 from . import procmem
 
 __all__ = ["HelperPersister", "lower_priority", "PERSIST_NICE_ENV"]
@@ -101,7 +101,7 @@ class HelperPersister:
                 self._conn.send({**job, "id": job_id})
             except OSError as exc:
                 self._pending.pop(job_id)
-                fut.set_exception(CheckpointError(f"the persisting helper process is gone ({exc}); retry the save"))
+                fut.set_exception(CoordinatorLostError(f"the persisting helper process is gone ({exc}); retry the save"))
         return fut
 
     def _watch(self, proc: subprocess.Popen, reader: Connection) -> None:
@@ -116,12 +116,12 @@ class HelperPersister:
                 if ok:
                     fut.set_result(result)
                 else:
-                    fut.set_exception(CheckpointError(result))
+                    fut.set_exception(result.copy() if isinstance(result, CheckpointError) else CheckpointError(result))
         code = proc.wait()
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
-            fut.set_exception(CheckpointError(
+            fut.set_exception(CoordinatorLostError(
                 f"the process persisting the checkpoint died (exit status {code}) before it committed; "
                 f"nothing was committed and the previous checkpoint at that path is intact: save again"))
 

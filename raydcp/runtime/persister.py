@@ -39,7 +39,7 @@ from ..engine.persist import lower_priority
 from ..engine.save import (StagedState, _name_storage_error, _reduce_commit, _reduce_save_plan, local_save_plan,
                            save_with, write_rank_files)
 from ..engine.staging import StagingArena
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..planner import RankWritePlan, SavePlanOptions
 from ..storage import CheckpointStorage
 from ..group import Group
@@ -153,10 +153,10 @@ class _RayFuture:
         except rex.RayTaskError as exc:
             cause = exc.cause
             if isinstance(cause, CheckpointError):
-                raise CheckpointError(str(cause), cause.failures) from None
+                raise cause.copy() from None
             raise CheckpointError(f"async save failed: {cause!r}") from None
         except rex.RayActorError as exc:
-            raise CheckpointError(
+            raise CoordinatorLostError(
                 f"the persister actor died before the save committed ({exc.__class__.__name__}); "
                 f"nothing was committed and the previous checkpoint at that path is intact: save again") from None
 
