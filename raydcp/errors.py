@@ -88,7 +88,7 @@ class CheckpointNotFoundError(CheckpointError):
 class CheckpointDamagedError(CheckpointError):
     """Part of a committed checkpoint is missing, truncated, fails its checksum, or is malformed.
 
-    ``file`` (the damaged file's URL, or None), ``key`` (the tensor concerned, or None) and
+    ``file`` (the damaged file: its URL, or its name within the checkpoint; or None), ``key`` (the tensor concerned, or None) and
     ``byte_range`` (``(start, end)`` within ``file``, or None) say where.
     """
 
@@ -182,7 +182,7 @@ class RemoteException(Exception):
 
 
 class RankFailedError(CheckpointError):
-    """Code running on ``rank`` raised ``exception``, which is not a raydcp error.
+    """Code running on ``rank`` (None: the coordinator) raised ``exception``, which is not a raydcp error.
 
     ``origin`` says whose code raised it: ``"user"`` (the user's own code, e.g. a
     Stateful's ``state_dict()``; fix it there), ``"raydcp"`` (a bug in raydcp; report
@@ -191,10 +191,10 @@ class RankFailedError(CheckpointError):
     :class:`RemoteException` where it cannot be pickled); ``traceback`` its text.
     """
 
-    def __init__(self, message: str, *, rank: int, exception: BaseException, origin: str = "raydcp",
+    def __init__(self, message: str, *, rank: int | None, exception: BaseException, origin: str = "raydcp",
                  traceback: str = "", failures=None):
-        super().__init__(message, failures if failures is not None else {rank: exception})
-        self.rank = int(rank)
+        super().__init__(message, failures if failures is not None or rank is None else {rank: exception})
+        self.rank = None if rank is None else int(rank)
         self.exception = exception
         self.origin = origin
         self.traceback = traceback
@@ -236,7 +236,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
     tagged = getattr(exc, _USER_CODE_ATTR, None)
     if tagged:
         user = [f for f in frames if not _is_raydcp(f.filename) and not _is_library(f.filename)]
-        return "user", f"{tagged}" + (f", {_frame(user[-1])}" if user else "")
+        return "user", f"{tagged}" + (f"; {_frame(user[-1])}" if user else "")
     last = max((i for i, f in enumerate(frames) if _is_raydcp(f.filename)), default=-1)
     user = [f for f in frames[last + 1:] if not _is_raydcp(f.filename) and not _is_library(f.filename)]
     if user:
@@ -247,17 +247,21 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "raydcp", where
 
 
-def describe_failure(rank: int, exc: BaseException, origin: str, where: str) -> str:
+def describe_failure(rank: int | None, exc: BaseException, origin: str, where: str) -> str:
     """What a rank's non-raydcp exception means and what to do about it, in one message."""
     what = "".join(_tb.format_exception_only(type(exc), exc)).strip()
     if origin == "user":
-        return (f"{what} -- raised by your code on rank {rank} ({where}), not by raydcp; fix it there and "
-                f"call again (the traceback is in rank {rank}'s log and in the error's .traceback)")
+        return (f"{what} -- raised by your code on {_who(rank)} ({where}), not by raydcp; fix it there and "
+                f"call again (the error's .traceback shows where)")
     if origin == "environment":
-        return (f"{what} -- on rank {rank} ({where}): the machine ran out of a resource (memory, disk, file "
+        return (f"{what} -- on {_who(rank)} ({where}): the machine ran out of a resource (memory, disk, file "
                 f"handles) or the operating system refused; free it and call again")
-    return (f"{what} -- an internal error in raydcp on rank {rank} ({where}); please report it with the "
-            f"error's .traceback (or rank {rank}'s log)")
+    return (f"{what} -- an internal error in raydcp on {_who(rank)} ({where}); please report it with the "
+            f"error's .traceback")
+
+
+def _who(rank: int | None) -> str:
+    return "the coordinator" if rank is None else f"rank {rank}"
 
 
 @contextmanager
@@ -331,6 +335,21 @@ def failures_error(step: str, failures: list[RankFailure]) -> CheckpointError:
         return first.error.copy(message, by_rank)
     return RankFailedError(message, rank=first.rank, exception=first.error, origin=first.origin or "raydcp",
                            traceback=first.traceback, failures=by_rank)
+
+
+def coordinator_error(step: str, exc: BaseException) -> RankFailedError:
+    """The error every rank raises when the coordinator's reduction of ``step`` raised ``exc`` (not a raydcp error)."""
+    origin, where = classify(exc)
+    text = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
+    return RankFailedError(f"{step} failed in the coordinator: {describe_failure(None, exc, origin, where)}",
+                           rank=None, exception=_portable(exc), origin=origin, traceback=text)
+
+
+def as_checkpoint_error(exc: BaseException, step: str, rank: int = 0) -> CheckpointError:
+    """``exc`` where it is a raydcp error, else the :class:`RankFailedError` of ``rank`` raising it in ``step``."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    return failures_error(step, [RankFailure.from_exception(rank, exc)])
 
 
 def raise_failures(step: str, failures: list[RankFailure]) -> None:

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import CheckpointError, RankFailure, RanksTimedOutError, raise_failures
+from .errors import CheckpointError, RankFailure, RanksTimedOutError, coordinator_error, raise_failures
 from .lazy import LazyMapping, LazySequence
 from .planner.types import (Delivery, FileSlot, LocalLoadPlan, LocalSavePlan, ReadItem, SourceChunk, TensorSpec,
                             WriteItem)
@@ -90,7 +90,7 @@ def run_reduce(step: str, values: list[Any], reduce_fn: ReduceFn) -> list[Any]:
     except CheckpointError as exc:
         return [exc] * n
     except Exception as exc:  # a bug in planning must still fail every rank, not hang them
-        err = CheckpointError(f"{step} failed in the coordinator: {type(exc).__name__}: {exc}")
+        err = coordinator_error(step, exc)
         return [err] * n
     finally:
         if gc_was_on:

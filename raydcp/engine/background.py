@@ -18,7 +18,7 @@ import os
 import threading
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, as_checkpoint_error
 from ..metadata import Metadata
 from ..planner import RankWritePlan, SavePlanOptions, plan_save
 from ..planner.save import ALIGN
@@ -62,7 +62,7 @@ _arena: StagingArena | None = None
 
 def _failed(exc: BaseException) -> SaveFuture:
     fut: cf.Future = cf.Future()
-    fut.set_exception(exc if isinstance(exc, CheckpointError) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+    fut.set_exception(as_checkpoint_error(exc, "async save"))
     return SaveFuture(fut)
 
 
@@ -180,7 +180,7 @@ def _plan_and_submit(outer: cf.Future, staged, layout: dict, where: dict, privat
         inner = _persister.submit(_job(where, layout, staged, gp.ranks[0], checkpoint_id, storage_options,
                                        header, []), reads_memory=private)
     except BaseException as exc:
-        outer.set_exception(exc if isinstance(exc, CheckpointError) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+        outer.set_exception(as_checkpoint_error(exc, "async save"))
         return
 
     def resolve(done: cf.Future) -> None:

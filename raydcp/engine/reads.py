@@ -163,7 +163,8 @@ class FileChunkReader(ChunkReader):
             return None
         try:
             md = decode_metadata(self.storage.read_metadata_bytes(), self.storage.file_url(METADATA_NAME))
-            committed = {self.storage.file_url(name) for name in _files_of(md)}
+            names = _files_of(md)  # an error names a file by its name in the checkpoint or by its URL
+            committed = names | {self.storage.file_url(name) for name in names}
         except CheckpointError:  # no longer committed or unreadable: the damage report stands
             return None
         if exc.file in committed:
