@@ -11,12 +11,13 @@ import numpy as np
 import torch
 
 from ..codec import checksum, combine_block_checksums
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, RankFailure, StorageError
 from ..metadata import BLOCK_BYTES, ChunkColumns, Metadata, TensorMetas, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
+from ..storage._common import is_transient
 from ..transport import Transport
 
 __all__ = ["save_with", "local_save_plan", "StagedState"]
@@ -301,5 +302,6 @@ def _name_storage_error(exc: Exception, checkpoint_id: str) -> Exception:
     if isinstance(exc, CheckpointError):
         return exc
     if isinstance(exc, OSError):
-        return CheckpointError(f"writing {checkpoint_id}: {exc}; check the path, permissions and free space")
+        return StorageError(f"writing {checkpoint_id}: {exc}; check the path, permissions and free space",
+                            retriable=is_transient(exc), path=str(checkpoint_id))
     return exc
