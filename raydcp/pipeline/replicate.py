@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..codec import checksum
-from ..errors import CheckpointDamagedError, CheckpointError
+from ..errors import CheckpointDamagedError, CheckpointError, StorageError
 from ..metadata import Metadata, decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage
-from ..storage._common import is_local
+from ..storage._common import is_local, is_transient
 from ..storage._local import fsync_dir
 
 __all__ = ["Piece", "Segment", "CopyTask", "plan_segments", "file_pieces", "writer_kind",
@@ -177,7 +177,8 @@ def _pwrite_durably(path: str, view: memoryview, offset: int) -> None:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise CheckpointError(f"could not write {path}: {exc}; check the path, permissions and free space") from exc
+        raise StorageError(f"could not write {path}: {exc}; check the path, permissions and free space",
+                           retriable=is_transient(exc), path=path) from exc
 
 
 def _bucket_key(storage: CheckpointStorage, name: str) -> tuple[str, str]:
@@ -189,8 +190,9 @@ def _s3(storage: CheckpointStorage, what: str, method: str, **kwargs) -> dict:
     try:
         return storage.fs.call_s3(method, **kwargs)
     except Exception as exc:
-        raise CheckpointError(f"could not {what} under {storage.url}: {type(exc).__name__}: {exc}; check that "
-                              "the bucket exists and is reachable and that storage_options carry valid credentials") from exc
+        raise StorageError(f"could not {what} under {storage.url}: {type(exc).__name__}: {exc}; check that "
+                           "the bucket exists and is reachable and that storage_options carry valid credentials",
+                           retriable=is_transient(exc), path=storage.url) from exc
 
 
 def _abort_stale_uploads(dst: CheckpointStorage) -> None:
@@ -296,7 +298,7 @@ def _finish_file(dst: CheckpointStorage, kind: str, name: str, size: int, upload
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            raise CheckpointError(f"could not finish {final}: {exc}") from exc
+            raise StorageError(f"could not finish {final}: {exc}", retriable=is_transient(exc), path=final) from exc
     elif upload_id is not None:
         bucket, key = _bucket_key(dst, name)
         parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
