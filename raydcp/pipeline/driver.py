@@ -25,8 +25,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import (CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, StateMismatchError,
-                      StorageError)
+from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, StateMismatchError
 from ..metadata import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage, list_committed
 from .config import PipelineConfig, Runner, ThreadRunner
@@ -49,11 +48,11 @@ class _Stopped(Exception):
 
 
 def _retryable(exc: BaseException) -> bool:
-    """Whether running a stage again may help: not for damage, a mismatch, a missing checkpoint or
-    a storage refusal that needs a change, nor once superseded or stopped."""
-    if isinstance(exc, (CheckpointDamagedError, CheckpointNotFoundError, StateMismatchError, _Superseded, _Stopped)):
-        return False
-    return exc.retriable if isinstance(exc, StorageError) else True
+    """Whether running a stage again may help: not for damage, a mismatch or a missing checkpoint,
+    nor once superseded or stopped. Every StorageError is retried, not only the ``retriable``
+    ones: a tier that is unreachable or misconfigured now may be back (or fixed) by the next try."""
+    return not isinstance(exc, (CheckpointDamagedError, CheckpointNotFoundError, StateMismatchError, _Superseded,
+                                _Stopped))
 
 
 def _one_line(exc: BaseException) -> str:
