@@ -88,8 +88,8 @@ class CheckpointNotFoundError(CheckpointError):
 class CheckpointDamagedError(CheckpointError):
     """Part of a committed checkpoint is missing, truncated, fails its checksum, or is malformed.
 
-    ``file`` (the damaged file: its URL, or its name within the checkpoint; or None), ``key`` (the tensor concerned, or None) and
-    ``byte_range`` (``(start, end)`` within ``file``, or None) say where.
+    ``file`` (the damaged file: its URL, or its name within the checkpoint; or None), ``key`` (the
+    tensor concerned, or None) and ``byte_range`` (``(start, end)`` within ``file``, or None) say where.
     """
 
     def __init__(self, message: str, *, file: str | None = None, key: str | None = None,

@@ -178,7 +178,8 @@ def decode_metadata(data: bytes, source: str = "metadata") -> Metadata:
         )
     payload = memoryview(data)[_PREAMBLE.size:]
     if len(payload) != length:
-        raise CheckpointDamagedError(f"{source}: payload is {len(payload)} bytes, header says {length}; the file is truncated or damaged", file=source)
+        raise CheckpointDamagedError(f"{source}: payload is {len(payload)} bytes, header says {length}; the file is "
+                                     "truncated or damaged", file=source)
     if checksum(payload) != crc:
         raise CheckpointDamagedError(f"{source}: checksum mismatch; the metadata file is damaged", file=source)
     try:

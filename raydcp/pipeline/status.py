@@ -313,7 +313,8 @@ def decode_status(data: bytes | str, source: str = STATUS_NAME) -> StatusRecord:
     except CheckpointError as exc:
         raise CheckpointDamagedError(f"{source}: malformed status record: {exc}", file=source) from None
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointDamagedError(f"{source}: malformed status record ({type(exc).__name__}: {exc})", file=source) from None
+        raise CheckpointDamagedError(f"{source}: malformed status record ({type(exc).__name__}: {exc})",
+                                     file=source) from None
     keys = [e.key for e in record.stages]
     if len(set(keys)) != len(keys):
         raise CheckpointError(f"{source}: malformed status record: a stage is listed twice")

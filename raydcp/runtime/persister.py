@@ -121,11 +121,11 @@ class _Persister:
                 save.failure = RankFailure.from_exception(save.plan.rank, _name_storage_error(exc, save.checkpoint_id))
         return save.failure is None
 
-    def commit(self, error: str | None = None):
+    def commit(self, error: RankFailure | str | None = None):
         """The commit round (every rank's, together); ``error``: the rank failed while staging."""
         save, self._batched = self._batched, None
         if error is not None and save.failure is None:
-            save.failure = RankFailure.from_exception(save.plan.rank, CheckpointError(error))
+            save.failure = error if isinstance(error, RankFailure) else RankFailure.from_exception(save.plan.rank, CheckpointError(error))
         value = save.failure if save.failure is not None else (save.records, save.header)
         try:
             return save.transport.reduce_scatter("save: commit", value,
@@ -203,7 +203,7 @@ class RayAsyncPersister:
                 if index < len(batches) - 1 and not ray.get(written):
                     break  # the commit round reports the failure to every rank
         except Exception as exc:
-            error = f"staging failed on rank {group.rank}: {type(exc).__name__}: {exc}"
+            error = RankFailure.from_exception(group.rank, exc)  # its type and origin travel to every rank
         return SaveFuture(_RayFuture(self.actor.commit.remote(error)))
 
 
