@@ -1,12 +1,16 @@
 """raydcp: distributed checkpointing of PyTorch training state on Ray.
 
 Public API (docs/architecture.md): save, async_save, load, read_metadata, Shard, Group,
-CheckpointError, Metadata, ShardGroup, and the Ray Train helpers in raydcp.train.
+CheckpointError and its typed subclasses (raydcp.errors), Metadata, ShardGroup,
+and the Ray Train helpers in raydcp.train.
 """
-from .errors import CheckpointError
+from .errors import (CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, CheckpointReplacedError,
+                     CoordinatorLostError, RankFailedError, RanksTimedOutError, StateMismatchError, StorageError)
 from .group import Group
 
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
+           "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "StateMismatchError",
+           "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
            "Metadata", "ShardGroup", "__version__"]
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from .codec import checksum, decode_value, encode_value, itemsize
-from .errors import CheckpointError
+from .errors import CheckpointDamagedError, CheckpointError
 from .metadata import (BLOCK_BYTES, FORMAT_VERSION, ChunkColumns, ChunkMeta, ChunkTable, Metadata, TensorMeta,
                        TensorMetas, _first_use)
 
@@ -167,10 +167,10 @@ def _envelope(arrays: list, header: dict) -> bytes:
 def decode_metadata(data: bytes, source: str = "metadata") -> Metadata:
     """Decode ``raydcp.meta`` bytes; any damage is a CheckpointError naming ``source``."""
     if len(data) < _PREAMBLE.size:
-        raise CheckpointError(f"{source}: too short to be raydcp metadata ({len(data)} bytes); the file is truncated")
+        raise CheckpointDamagedError(f"{source}: too short to be raydcp metadata ({len(data)} bytes); the file is truncated", file=source)
     magic, major, minor, length, crc = _PREAMBLE.unpack_from(data)
     if magic != MAGIC:
-        raise CheckpointError(f"{source}: not raydcp metadata (bad magic); is this a raydcp checkpoint?")
+        raise CheckpointDamagedError(f"{source}: not raydcp metadata (bad magic); is this a raydcp checkpoint?", file=source)
     if major != FORMAT_VERSION[0]:
         raise CheckpointError(
             f"{source}: format version {major}.{minor} is not supported by this raydcp (reads {FORMAT_VERSION[0]}.x); "
@@ -178,16 +178,17 @@ def decode_metadata(data: bytes, source: str = "metadata") -> Metadata:
         )
     payload = memoryview(data)[_PREAMBLE.size:]
     if len(payload) != length:
-        raise CheckpointError(f"{source}: payload is {len(payload)} bytes, header says {length}; the file is truncated or damaged")
+        raise CheckpointDamagedError(f"{source}: payload is {len(payload)} bytes, header says {length}; the file is "
+                                     "truncated or damaged", file=source)
     if checksum(payload) != crc:
-        raise CheckpointError(f"{source}: checksum mismatch; the metadata file is damaged")
+        raise CheckpointDamagedError(f"{source}: checksum mismatch; the metadata file is damaged", file=source)
     try:
         md = _decode_payload(payload)
         return Metadata(**{**md.__dict__, "version": (major, minor)})
     except CheckpointError as exc:
-        raise CheckpointError(f"{source}: {exc}") from None
+        raise CheckpointDamagedError(f"{source}: {exc}", file=source) from None
     except Exception as exc:  # a well-formed envelope around a malformed table
-        raise CheckpointError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
+        raise CheckpointDamagedError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})", file=source) from None
 
 
 def _decode_payload(payload: memoryview) -> Metadata:

@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .codec import DTYPES, dtype_name, is_plain_value
-from .errors import CheckpointError
+from .errors import CheckpointError, user_code
 from .state_modules import ModuleLeaves
 
 __all__ = ["Shard", "TensorLeaf", "FlatState", "flatten_state"]
@@ -84,7 +84,8 @@ class FlatState:
         for fqn, v in values.items():
             self.setters[fqn](v)
         for fin in self.finalizers:
-            fin()
+            with user_code("a Stateful's load_state_dict()"):
+                fin()
 
 
 _STRIDED = torch.strided
@@ -195,7 +196,8 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
             else:
                 modules.optimizer(fqn, x)
         elif _is_stateful(x):
-            sd = x.state_dict()
+            with user_code(f"{fqn or '<root>'}: {type(x).__name__}.state_dict()"):
+                sd = x.state_dict()
             if not isinstance(sd, dict):
                 raise CheckpointError(f"{fqn}: {type(x).__name__}.state_dict() returned {type(sd).__name__}, not a dict")
             visit(sd, fqn, lambda v: None)

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import CheckpointError, RankFailure, raise_failures
+from .errors import CheckpointError, RankFailure, RanksTimedOutError, coordinator_error, raise_failures
 from .lazy import LazyMapping, LazySequence
 from .planner.types import (Delivery, FileSlot, LocalLoadPlan, LocalSavePlan, ReadItem, SourceChunk, TensorSpec,
                             WriteItem)
@@ -90,7 +90,7 @@ def run_reduce(step: str, values: list[Any], reduce_fn: ReduceFn) -> list[Any]:
     except CheckpointError as exc:
         return [exc] * n
     except Exception as exc:  # a bug in planning must still fail every rank, not hang them
-        err = CheckpointError(f"{step} failed in the coordinator: {type(exc).__name__}: {exc}")
+        err = coordinator_error(step, exc)
         return [err] * n
     finally:
         if gc_was_on:
@@ -99,7 +99,7 @@ def run_reduce(step: str, values: list[Any], reduce_fn: ReduceFn) -> list[Any]:
 
 def _unwrap(value: Any) -> Any:
     if isinstance(value, CheckpointError):
-        raise CheckpointError(str(value), value.failures)
+        raise value.copy()  # a copy per rank: ranks in threads of one process raise it at once
     return value
 
 
@@ -143,10 +143,10 @@ class _ThreadHub:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(self.world_size)) - set(arrived))
-                    raise CheckpointError(
+                    raise RanksTimedOutError(
                         f"{step}: ranks {missing} did not arrive within {self.timeout_s:g}s "
                         f"(rank {rank} waited); check that every rank calls with the same group, "
-                        f"or raise Group(timeout_s=...)"
+                        f"or raise Group(timeout_s=...)", missing_ranks=missing, timeout_s=self.timeout_s
                     )
                 self.cond.wait(left)
             return self.results[key][rank]

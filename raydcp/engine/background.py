@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, RankFailure, as_checkpoint_error
 from ..metadata import Metadata
 from ..options import AsyncOptions
 from ..planner import LocalSavePlan
@@ -55,7 +55,7 @@ class AsyncPersister(Protocol):
 
     def write(self, index: int, staged: StagedState, items: list[int]) -> Future: ...
 
-    def commit(self, error: str | None) -> Future: ...
+    def commit(self, error: "RankFailure | str | None") -> Future: ...
 
 
 class SaveFuture:
@@ -89,7 +89,7 @@ _last: SaveFuture | None = None
 def failed_save(exc: BaseException) -> SaveFuture:
     """A SaveFuture whose result() raises ``exc`` (as a CheckpointError)."""
     fut: cf.Future = cf.Future()
-    fut.set_exception(exc if isinstance(exc, CheckpointError) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+    fut.set_exception(as_checkpoint_error(exc, "async save"))
     return SaveFuture(fut)
 
 
@@ -141,5 +141,5 @@ def _run(persister: AsyncPersister, state_dict: dict, checkpoint_id: str, storag
             if index < len(batches) - 1 and not written.result():
                 break  # over the cap: the stall grows, the memory does not; the commit reports the failure
     except Exception as exc:
-        error = f"staging failed on rank {rank}: {type(exc).__name__}: {exc}"
+        error = RankFailure.from_exception(rank, exc)  # its type and origin travel to every rank
     return SaveFuture(persister.commit(error))

@@ -37,7 +37,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..options import PERSIST_NICE_ENV, AsyncOptions
 from . import procmem
 from .background import wait_for_last_save
@@ -105,7 +105,7 @@ class HelperProcess:
                 self._conn.send({**job, "id": job_id})
             except OSError as exc:
                 self._pending.pop(job_id)
-                fut.set_exception(CheckpointError(f"the persisting helper process is gone ({exc}); retry the save"))
+                fut.set_exception(CoordinatorLostError(f"the persisting helper process is gone ({exc}); retry the save"))
         return fut
 
     def _watch(self, proc: subprocess.Popen, reader: Connection) -> None:
@@ -120,12 +120,12 @@ class HelperProcess:
                 if ok:
                     fut.set_result(result)
                 else:
-                    fut.set_exception(CheckpointError(result))
+                    fut.set_exception(result.copy() if isinstance(result, CheckpointError) else CheckpointError(result))
         code = proc.wait()
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
-            fut.set_exception(CheckpointError(
+            fut.set_exception(CoordinatorLostError(
                 f"the process persisting the checkpoint died (exit status {code}) before it committed; "
                 f"nothing was committed and the previous checkpoint at that path is intact: save again"))
 
@@ -184,7 +184,7 @@ class LocalPersister:
         layout = self.arena.stage(staged, items, limit=self._cap)
         return self._send({"op": "write", "index": index, "layout": layout, **self._where()}, self._private)
 
-    def commit(self, error: str | None) -> cf.Future:
+    def commit(self, error: "RankFailure | str | None") -> cf.Future:
         return self._send({"op": "commit", "error": error})
 
     def _where(self) -> dict:

@@ -104,7 +104,7 @@ def _serve(inbox: Connection, outbox: Connection) -> None:
         try:
             outbox.send((job["id"], True, helper.run(job)))
         except CheckpointError as exc:
-            outbox.send((job["id"], False, str(exc)))
+            outbox.send((job["id"], False, exc))  # typed errors pickle with their attributes
         except Exception as exc:  # reported to the trainer, which raises it at result()
             outbox.send((job["id"], False, f"persisting failed: {type(exc).__name__}: {exc}"))
 

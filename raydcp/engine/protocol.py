@@ -31,10 +31,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
 from ..storage import CheckpointStorage
+from ..storage._common import is_transient
 from ..transport import Transport
 
 __all__ = ["SaveHeader", "StorageRecord", "reduce_plan", "reduce_commit", "tensor_metas", "plan_round",
@@ -192,5 +193,6 @@ def name_storage_error(exc: Exception, checkpoint_id: str) -> Exception:
     if isinstance(exc, CheckpointError):
         return exc
     if isinstance(exc, OSError):
-        return CheckpointError(f"writing {checkpoint_id}: {exc}; check the path, permissions and free space")
+        return StorageError(f"writing {checkpoint_id}: {exc}; check the path, permissions and free space",
+                            retriable=is_transient(exc), path=str(checkpoint_id))
     return exc

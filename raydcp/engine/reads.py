@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from ..codec import checksum, combine_block_checksums, crc32c_combine, itemsize, tensor_bytes, tensor_from_bytes
-from ..errors import CheckpointError
-from ..metadata import BLOCK_BYTES
+from ..errors import CheckpointDamagedError, CheckpointError, CheckpointReplacedError
+from ..metadata import BLOCK_BYTES, ChunkColumns
+from ..metadata_format import decode_metadata
 from ..options import DEFAULT_IO
+from ..storage import METADATA_NAME
 from ..planner import ChunkRead, Delivery, SourceChunk, byte_runs, merge_runs
 from ..state import TensorLeaf
 
@@ -105,10 +107,30 @@ class ChunkReader(abc.ABC):
 
 
 def _mismatch(ch, lo: int, hi: int) -> CheckpointError:
-    return CheckpointError(
-        f"{ch.key}: checksum mismatch in {ch.file} at bytes {ch.byte_offset + lo}..{ch.byte_offset + hi} "
-        f"(piece at {list(ch.offsets)}); the checkpoint is damaged: restore it from another copy"
-    )
+    return _damaged(ch.key, ch.file, ch.byte_offset + lo, ch.byte_offset + hi, ch.offsets)
+
+
+def _damaged(key: str, file: str, start: int, end: int, offsets) -> CheckpointDamagedError:
+    return CheckpointDamagedError(
+        f"{key}: checksum mismatch in {file} at bytes {start}..{end} (piece at {list(offsets)}); the checkpoint "
+        f"is damaged: restore it from another copy", file=file, key=key, byte_range=(start, end))
+
+
+def _keyed(exc: CheckpointError, key: str) -> CheckpointError:
+    """A storage layer error about a file, as one about the tensor ``key`` read from it (same type)."""
+    return exc.copy(f"{key}: {exc}", key=key) if isinstance(exc, CheckpointDamagedError) else exc.copy(f"{key}: {exc}")
+
+
+def _files_of(md) -> set[str]:
+    """The names of every data file a checkpoint's metadata refers to."""
+    columns = getattr(md.tensors, "columns", None)
+    if isinstance(columns, ChunkColumns):
+        return set(columns.files)
+    files: set[str] = set()
+    for t in md.tensors.values():
+        names = getattr(t.chunks, "files", None)
+        files.update(names if names is not None else (c.file for c in t.chunks))
+    return files
 
 
 class FileChunkReader(ChunkReader):
@@ -124,6 +146,42 @@ class FileChunkReader(ChunkReader):
         self.shares: list[tuple] = []
 
     def read_all(self, reads: Iterable[ChunkRead], out: Deliverer) -> int:
+        """Read a rank's chunks (see :meth:`_read_all`).
+
+        A file found damaged or missing may be a reader racing a writer: a newer save to the
+        same path committed after the load was planned and removed the files of the save being
+        read. The committed metadata is then read again: where it no longer refers to that file,
+        the checkpoint was replaced, not damaged (:class:`CheckpointReplacedError`: load again).
+        """
+        try:
+            return self._read_all(reads, out)
+        except CheckpointDamagedError as exc:
+            replaced = self._replaced(exc)
+            if replaced is None:
+                raise
+            raise replaced from None
+
+    def _replaced(self, exc: CheckpointDamagedError) -> CheckpointReplacedError | None:
+        """The error to raise instead of ``exc`` when the checkpoint was replaced while being read."""
+        if exc.file is None:
+            return None
+        try:
+            md = decode_metadata(self.storage.read_metadata_bytes(), self.storage.file_url(METADATA_NAME))
+            names = _files_of(md)  # an error names a file by its name in the checkpoint or by its URL
+            committed = names | {self.storage.file_url(name) for name in names}
+        except CheckpointError:  # no longer committed or unreadable: the damage report stands
+            return None
+        if exc.file in committed:
+            return None  # the committed checkpoint still needs that file: it is damaged
+        parts = exc.file.rsplit("/", 3)
+        read_save = parts[-2] if len(parts) >= 3 and parts[-3] == "data" else None
+        return CheckpointReplacedError(
+            f"the checkpoint at {self.storage.url} was replaced by a newer save (save {md.save_id!r}) while it "
+            f"was being read: {exc.file} belongs to the save this load started from and is gone; nothing is "
+            f"damaged: load again to read the new checkpoint",
+            path=self.storage.url, read_save=read_save, committed_save=md.save_id)
+
+    def _read_all(self, reads: Iterable[ChunkRead], out: Deliverer) -> int:
         """Read a rank's chunks: whole chunks straight into host tensors, the rest one by one.
 
         Large whole chunks are read and verified in a small thread pool (reads and CRC32C
@@ -188,7 +246,7 @@ class FileChunkReader(ChunkReader):
         try:
             self.storage.read_into(ch.file, ch.byte_offset + start, part)
         except CheckpointError as exc:
-            raise CheckpointError(f"{ch.key}: {exc}") from None
+            raise _keyed(exc, ch.key) from None
         if ch.checksum is None:
             return []
         crc = crc32c.crc32c
@@ -288,7 +346,7 @@ class FileChunkReader(ChunkReader):
         try:
             return self.storage.read_ranges(ch.file, [(ch.byte_offset + s, ch.byte_offset + e) for s, e in runs])
         except CheckpointError as exc:
-            raise CheckpointError(f"{ch.key}: {exc}") from None
+            raise _keyed(exc, ch.key) from None
 
     def _read_direct(self, cr: ChunkRead, d: Delivery, out: Deliverer) -> bool:
         """Read a whole chunk straight into this rank's tensor memory when it is contiguous on the host."""
@@ -300,7 +358,7 @@ class FileChunkReader(ChunkReader):
         try:
             self.storage.read_into(ch.file, ch.byte_offset, memoryview(view))
         except CheckpointError as exc:
-            raise CheckpointError(f"{ch.key}: {exc}") from None
+            raise _keyed(exc, ch.key) from None
         self._verify(ch, view)
         return True
 
@@ -327,18 +385,12 @@ class FileChunkReader(ChunkReader):
         for b in range(start // BLOCK_BYTES, -(-end // BLOCK_BYTES)):
             lo, hi = b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, ch.nbytes)
             if checksum(view[lo - start:hi - start]) != ch.block_checksums[b]:
-                raise CheckpointError(
-                    f"{ch.key}: checksum mismatch in {ch.file} at bytes {ch.byte_offset + lo}..{ch.byte_offset + hi} "
-                    f"(piece at {list(ch.offsets)}); the checkpoint is damaged: restore it from another copy"
-                )
+                raise _mismatch(ch, lo, hi)
 
     @staticmethod
     def _verify(ch, buf) -> None:
         if ch.checksum is not None and checksum(buf) != ch.checksum:
-            raise CheckpointError(
-                f"{ch.key}: checksum mismatch in {ch.file} at bytes {ch.byte_offset}..{ch.byte_offset + ch.nbytes} "
-                f"(piece at {list(ch.offsets)}); the checkpoint is damaged: restore it from another copy"
-            )
+            raise _mismatch(ch, 0, ch.nbytes)
 
 
 def check_shares(shares: Iterable[tuple]) -> None:
@@ -362,9 +414,7 @@ def check_shares(shares: Iterable[tuple]) -> None:
                 f"{key}: bytes {at}..{at + length} of {file} (piece at {list(offsets)}) were read in parts "
                 f"that do not cover them, so their checksum cannot be checked; this is a bug in the load plan")
         if crc != expected:
-            raise CheckpointError(
-                f"{key}: checksum mismatch in {file} at bytes {at}..{at + length} (piece at {list(offsets)}); "
-                f"the checkpoint is damaged: restore it from another copy")
+            raise _damaged(key, file, at, at + length, offsets)
 
 
 def _first(x: tuple) -> Any:

@@ -99,10 +99,12 @@ class PersistSession:
                     self.transport.rank, name_storage_error(exc, self.checkpoint_id))
         return self.failure is None
 
-    def fail(self, error: str) -> None:
-        """This rank failed outside the session (e.g. while staging a batch): the commit says so."""
+    def fail(self, error: RankFailure | str) -> None:
+        """This rank failed outside the session (e.g. while staging a batch): the commit says so,
+        with the failure's type and origin where it is a :class:`RankFailure`."""
         if self.failure is None and self.plan_error is None:
-            self.failure = RankFailure.from_exception(self.transport.rank, CheckpointError(error))
+            self.failure = (error if isinstance(error, RankFailure)
+                            else RankFailure.from_exception(self.transport.rank, CheckpointError(error)))
 
     def commit(self) -> Metadata:
         """Step 3: the commit round, with this rank's records (or its failure)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError
 from ..metadata import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage
 from .records import read_record
@@ -61,7 +61,7 @@ def check_copy(url: str, storage_options: dict | None, *, full: bool = False, ti
                 out.problems.append(f"{name}: truncated ({size} bytes, {need[name]} needed)")
     except CheckpointError as exc:
         text = " ".join(str(exc).split())
-        out.live = "damaged" if "metadata" in text or "raydcp.meta" in text else "unreachable"
+        out.live = "damaged" if isinstance(exc, (CheckpointDamagedError, CheckpointNotFoundError)) else "unreachable"
         out.problems.append(text)
         return out
     if out.problems:

@@ -25,13 +25,13 @@ import threading
 import time
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, StateMismatchError
 from ..metadata import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage, list_committed
 from .config import PipelineConfig, Runner, ThreadRunner
 from .policy import Candidate
 from .records import read_freshest, read_record, records_under, write_record
-from .replicate import SourceDamaged, commit_copy, replicate_files
+from .replicate import commit_copy, replicate_files
 from .status import StageEntry, StatusRecord
 
 __all__ = ["PipelineDriver"]
@@ -47,12 +47,12 @@ class _Stopped(Exception):
     """The driver is shutting down."""
 
 
-class _NotRetryable(CheckpointError):
-    pass
-
-
 def _retryable(exc: BaseException) -> bool:
-    return not isinstance(exc, (SourceDamaged, _NotRetryable, _Superseded, _Stopped))
+    """Whether running a stage again may help: not for damage, a mismatch or a missing checkpoint,
+    nor once superseded or stopped. Every StorageError is retried, not only the ``retriable``
+    ones: a tier that is unreachable or misconfigured now may be back (or fixed) by the next try."""
+    return not isinstance(exc, (CheckpointDamagedError, CheckpointNotFoundError, StateMismatchError, _Superseded,
+                                _Stopped))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -277,7 +277,10 @@ class PipelineDriver:
 
             report = verify_checkpoint(tiers[k].copy_url(name), tiers[k].options())
             if not report.ok:
-                raise _NotRetryable(report.summary() + ": " + "; ".join(str(p) for p in report.problems[:3]))
+                first = report.problems[0] if report.problems else None
+                raise CheckpointDamagedError(report.summary() + ": " + "; ".join(str(p) for p in report.problems[:3]),
+                                             file=first and first.file, key=first and first.key,
+                                             byte_range=first and first.byte_range)
             return report.bytes_checked, f"{report.pieces_checked} pieces"
         if entry.stage == "replicated":
             j, src, meta = self._source(record, exclude=k)
@@ -303,7 +306,7 @@ class PipelineDriver:
             return 0, entry.detail
         if entry.stage == "retention":
             return 0, self._apply_retention(k, record)
-        raise _NotRetryable(f"stage {entry.key} runs in the saving process, not in the pipeline driver")
+        raise CheckpointError(f"stage {entry.key} runs in the saving process, not in the pipeline driver")
 
     # ------------------------------------------------------------------ helpers
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageError
 from ..storage import CheckpointStorage, list_committed
-from ..storage._common import is_local
+from ..storage._common import is_local, is_transient
 from ..storage._local import publish_atomically
 from .policy import Tier
 from .status import STATUS_NAME, StatusRecord, decode_status, encode_status, freshest
@@ -23,7 +23,8 @@ def write_record(storage: CheckpointStorage, record: StatusRecord) -> None:
         try:
             publish_atomically(f"{storage.path}/{STATUS_NAME}", memoryview(data))
         except OSError as exc:
-            raise CheckpointError(f"could not write {storage.file_url(STATUS_NAME)}: {exc}") from exc
+            raise StorageError(f"could not write {storage.file_url(STATUS_NAME)}: {exc}", retriable=is_transient(exc),
+                               path=storage.file_url(STATUS_NAME)) from exc
     else:
         storage.write_file(STATUS_NAME, [data])
 
@@ -74,5 +75,6 @@ def _directories(tier: Tier) -> list[str]:
     except FileNotFoundError:
         return []
     except Exception as exc:
-        raise CheckpointError(f"could not list {tier.url}: {type(exc).__name__}: {exc}") from exc
+        raise StorageError(f"could not list {tier.url}: {type(exc).__name__}: {exc}", retriable=is_transient(exc),
+                           path=tier.url) from exc
     return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")

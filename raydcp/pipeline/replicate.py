@@ -28,21 +28,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..codec import checksum
-from ..errors import CheckpointError
+from ..errors import CheckpointDamagedError, CheckpointError, StorageError
 from ..metadata import Metadata, decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage
-from ..storage._common import is_local
+from ..storage._common import is_local, is_transient
 from ..storage._local import fsync_dir
 
-__all__ = ["Piece", "Segment", "CopyTask", "SourceDamaged", "plan_segments", "file_pieces", "writer_kind",
+__all__ = ["Piece", "Segment", "CopyTask", "plan_segments", "file_pieces", "writer_kind",
            "copy_segment", "replicate_files", "commit_copy", "S3_MIN_PART"]
 
 S3_MIN_PART = 5 << 20
 _PARTIAL = ".partial"
-
-
-class SourceDamaged(CheckpointError):
-    """The source copy does not match its metadata: copying it again would not help."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +96,8 @@ def plan_segments(file: str, size: int, pieces: Sequence[Piece], part_bytes: int
         raise CheckpointError(f"part_bytes must be >= 1, got {part_bytes}")
     need = max((p.offset + p.nbytes for p in pieces), default=0)
     if size < need:
-        raise SourceDamaged(f"data file {file} is truncated: it holds {size} bytes, its pieces need {need}")
+        raise CheckpointDamagedError(f"data file {file} is truncated: it holds {size} bytes, its pieces need {need}",
+                                     file=file, byte_range=(size, need))
     cuts = [0]
     for p in pieces:
         if p.offset - cuts[-1] >= part_bytes:
@@ -124,14 +121,17 @@ def writer_kind(storage: CheckpointStorage) -> str:
     return "whole"
 
 
-def _check(view: memoryview, seg: Segment, where: str, damaged: type[CheckpointError]) -> None:
+def _check(view: memoryview, seg: Segment, where: str) -> None:
+    """CheckpointDamagedError where a piece of the segment does not match its stored checksum (copying
+    a damaged source again would not help)."""
     for p in seg.pieces:
         lo = p.offset - seg.start
         crc = checksum(view[lo:lo + p.nbytes])
         if crc != p.crc:
-            raise damaged(
+            raise CheckpointDamagedError(
                 f"checksum mismatch in {where} at bytes {p.offset}..{p.offset + p.nbytes} (stored "
-                f"{p.crc:#010x}, read {crc:#010x}): the copy is damaged")
+                f"{p.crc:#010x}, read {crc:#010x}): the copy is damaged", file=where,
+                byte_range=(p.offset, p.offset + p.nbytes))
 
 
 def copy_segment(task: CopyTask) -> dict[str, Any]:
@@ -145,13 +145,13 @@ def copy_segment(task: CopyTask) -> dict[str, Any]:
         dst = CheckpointStorage(task.dst_url, task.dst_options)
         try:
             (view,) = dst.read_ranges(seg.file, [(seg.start, seg.end)])
-            _check(view, seg, dst.file_url(seg.file), CheckpointError)
-        except CheckpointError:
+            _check(view, seg, dst.file_url(seg.file))
+        except CheckpointDamagedError:
             return {"file": seg.file, "part": seg.part, "bytes": seg.nbytes, "ok": False}
         return {"file": seg.file, "part": seg.part, "bytes": seg.nbytes, "ok": True}
     src = CheckpointStorage(task.src_url, task.src_options)
     (view,) = src.read_ranges(seg.file, [(seg.start, seg.end)]) if seg.nbytes else (memoryview(b""),)
-    _check(view, seg, src.file_url(seg.file), SourceDamaged)
+    _check(view, seg, src.file_url(seg.file))
     dst = CheckpointStorage(task.dst_url, task.dst_options)
     etag = None
     if task.kind == "local":
@@ -177,7 +177,8 @@ def _pwrite_durably(path: str, view: memoryview, offset: int) -> None:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise CheckpointError(f"could not write {path}: {exc}; check the path, permissions and free space") from exc
+        raise StorageError(f"could not write {path}: {exc}; check the path, permissions and free space",
+                           retriable=is_transient(exc), path=path) from exc
 
 
 def _bucket_key(storage: CheckpointStorage, name: str) -> tuple[str, str]:
@@ -189,8 +190,9 @@ def _s3(storage: CheckpointStorage, what: str, method: str, **kwargs) -> dict:
     try:
         return storage.fs.call_s3(method, **kwargs)
     except Exception as exc:
-        raise CheckpointError(f"could not {what} under {storage.url}: {type(exc).__name__}: {exc}; check that "
-                              "the bucket exists and is reachable and that storage_options carry valid credentials") from exc
+        raise StorageError(f"could not {what} under {storage.url}: {type(exc).__name__}: {exc}; check that "
+                           "the bucket exists and is reachable and that storage_options carry valid credentials",
+                           retriable=is_transient(exc), path=storage.url) from exc
 
 
 def _abort_stale_uploads(dst: CheckpointStorage) -> None:
@@ -296,7 +298,7 @@ def _finish_file(dst: CheckpointStorage, kind: str, name: str, size: int, upload
             os.replace(tmp, final)
             fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            raise CheckpointError(f"could not finish {final}: {exc}") from exc
+            raise StorageError(f"could not finish {final}: {exc}", retriable=is_transient(exc), path=final) from exc
     elif upload_id is not None:
         bucket, key = _bucket_key(dst, name)
         parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]

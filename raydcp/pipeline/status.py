@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ..errors import CheckpointError
+from ..errors import CheckpointDamagedError, CheckpointError
 
 __all__ = ["STATUS_NAME", "STATUS_VERSION", "STAGES", "STATES", "COPY_STATES", "StageEntry", "TierCopy",
            "StatusRecord", "plan_stages", "dependencies", "encode_status", "decode_status", "freshest"]
@@ -288,7 +288,8 @@ def decode_status(data: bytes | str, source: str = STATUS_NAME) -> StatusRecord:
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{source}: not a valid status record (not JSON: {exc}); the file is damaged") from None
+        raise CheckpointDamagedError(f"{source}: not a valid status record (not JSON: {exc}); the file is damaged",
+                                     file=source) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{source}: not a raydcp status record (format is not {FORMAT!r})")
     version = doc.get("version")
@@ -310,9 +311,10 @@ def decode_status(data: bytes | str, source: str = STATUS_NAME) -> StatusRecord:
             version=(version[0], version[1]),
         )
     except CheckpointError as exc:
-        raise CheckpointError(f"{source}: malformed status record: {exc}") from None
+        raise CheckpointDamagedError(f"{source}: malformed status record: {exc}", file=source) from None
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{source}: malformed status record ({type(exc).__name__}: {exc})") from None
+        raise CheckpointDamagedError(f"{source}: malformed status record ({type(exc).__name__}: {exc})",
+                                     file=source) from None
     keys = [e.key for e in record.stages]
     if len(set(keys)) != len(keys):
         raise CheckpointError(f"{source}: malformed status record: a stage is listed twice")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from ..errors import CheckpointError
+from ..errors import CheckpointDamagedError, CheckpointError, StateMismatchError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs, numel
 from .load_arrays import (SPLIT_MIN_BYTES, _ChunkIndex, _names, _plan_load_columns, _shared_columns,  # noqa: F401
@@ -88,7 +88,25 @@ def _check_requests(
     if mismatched:
         parts.append("mismatched:\n    " + "\n    ".join(mismatched[k] for k in sorted(mismatched)))
     hint = " (pass strict=False to load only the keys both have)" if (missing or unexpected) and not mismatched else ""
-    raise CheckpointError("cannot load: " + "; ".join(parts) + hint)
+    raise StateMismatchError("cannot load: " + "; ".join(parts) + hint, missing_keys=sorted(missing),
+                             unexpected_keys=unexpected, **_spec_mismatches(available, local_plans, mismatched))
+
+
+def _spec_mismatches(available: Mapping[str, TensorSpec], local_plans: Sequence[LocalLoadPlan],
+                     keys) -> dict[str, dict[str, tuple]]:
+    """``shapes`` and ``dtypes`` of a StateMismatchError: key -> (in the checkpoint, wanted by a rank)."""
+    shapes: dict[str, tuple] = {}
+    dtypes: dict[str, tuple] = {}
+    for lp in local_plans:
+        for key, spec in lp.tensors.items():
+            have = available.get(key)
+            if key not in keys or have is None:
+                continue
+            if have.shape != spec.shape:
+                shapes.setdefault(key, (tuple(have.shape), tuple(spec.shape)))
+            elif have.dtype != spec.dtype:
+                dtypes.setdefault(key, (have.dtype, spec.dtype))
+    return {"shapes": shapes, "dtypes": dtypes}
 
 
 def stored_sources(md) -> Mapping[str, StoredChunks]:
@@ -155,7 +173,7 @@ def _plan_load_objects(
     gaps = sorted({it.key for lp in local_plans for idx, it in enumerate(lp.items)
                    if it.key in sources and covered[(lp.rank, idx)] != numel(it.sizes)})
     if gaps:
-        raise CheckpointError(
+        raise CheckpointDamagedError(
             f"the stored pieces of {_names(gaps)} do not cover the tensor exactly (a gap or an overlap); "
             f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
 

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointDamagedError
 from ..metadata import ChunkTable
 from .boxes import byte_runs, intersect, merge_runs
 from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_arrays
@@ -283,7 +283,7 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     gaps = known & (covered != q_numel)
     if gaps.any():
         names = sorted({keys[k] for k in q_key[gaps].tolist()})
-        raise CheckpointError(
+        raise CheckpointDamagedError(
             f"the stored pieces of {_names(names)} do not cover the tensor exactly (a gap or an overlap); "
             f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
     p_rank = q_rank[p_q]

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StateMismatchError
 from .arrays import _dim_range, _order, _rank_sums, _stack_items
 from .boxes import numel
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
@@ -79,7 +79,7 @@ def _plan_objects(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
                 problems.append(f"{key}: replicas on ranks {ranks} differ (piece at {off}); "
                                 f"the ranks' values diverged before saving")
     if problems:
-        raise CheckpointError("inconsistent state across ranks:\n  " + "\n  ".join(problems[:50])
+        raise StateMismatchError("inconsistent state across ranks:\n  " + "\n  ".join(problems[:50])
                               + (f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""))
 
     # assign writers: single-holder pieces first, then replicas largest first to the least loaded holder
@@ -329,7 +329,11 @@ def _agree_on_tensors(local_plans: Sequence[LocalSavePlan]) -> dict[str, TensorS
             desc = "; ".join(f"{s.dtype}{list(s.shape)} on ranks {rs}" for s, rs in variants.items())
             bad.append(f"{key}: {desc}")
     if bad:
-        raise CheckpointError("ranks disagree on global shape or dtype:\n  " + "\n  ".join(bad))
+        raise StateMismatchError("ranks disagree on global shape or dtype:\n  " + "\n  ".join(bad),
+                                 shapes={k: tuple(dict.fromkeys(s.shape for s in v)) for k, v in seen.items()
+                                         if len({s.shape for s in v}) > 1},
+                                 dtypes={k: tuple(dict.fromkeys(s.dtype for s in v)) for k, v in seen.items()
+                                         if len({s.dtype for s in v}) > 1})
     return {key: next(iter(v)) for key, v in sorted(seen.items())}
 
 
@@ -346,7 +350,7 @@ def _agree_on_values(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Te
             elif key not in values:
                 values[key], first[key] = v, lp.rank
     if bad:
-        raise CheckpointError("plain values must be equal on every rank that holds them:\n  " + "\n  ".join(bad))
+        raise StateMismatchError("plain values must be equal on every rank that holds them:\n  " + "\n  ".join(bad))
     return dict(sorted(values.items()))
 
 

@@ -14,7 +14,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..transport import decode, encode
 from .coordinator import Coordinator, planning_pages
 
@@ -86,7 +86,7 @@ class CoordinatorHost:
             del self.failed[op]
             return None
         name, number = self._named(op)
-        return self.creator_rank, CheckpointError(
+        return self.creator_rank, CoordinatorLostError(
             f"{step}: the coordinator of group '{name}' (operation {number}) is gone: the other ranks "
             f"already ended the operation (it failed while rank {rank} was late: {msg.splitlines()[0]})")
 

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import CheckpointError, RankFailure, raise_failures
+from ..errors import CheckpointError, RankFailure, RanksTimedOutError, raise_failures
 from ..transport import run_reduce
 
 __all__ = ["Coordinator", "planning_pages"]
@@ -268,7 +268,10 @@ class Coordinator:
             f"within {self.timeout_s:g}s (rank {rank} waited); check that those ranks are alive and call "
             f"raydcp with the same group, or raise Group(timeout_s=...)"
         )
-        return CheckpointError(msg, {r: f"did not arrive at step '{rnd.step}' within {self.timeout_s:g}s" for r in missing})
+        return RanksTimedOutError(msg, missing_ranks=missing, timeout_s=self.timeout_s,
+                                  failures={r: RanksTimedOutError(f"did not arrive at step '{rnd.step}' within "
+                                                                  f"{self.timeout_s:g}s", missing_ranks=[r],
+                                                                  timeout_s=self.timeout_s) for r in missing})
 
     def _left_error(self, gone: int, step: str) -> CheckpointError:
         after = self._closed.get(gone) or "its first step"

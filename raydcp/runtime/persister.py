@@ -34,7 +34,7 @@ from ..engine.persist import lower_priority
 from ..engine.save import StagedState
 from ..engine.session import PersistSession
 from ..engine.staging import StagingArena
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..options import AsyncOptions
 from .groups import next_operation
@@ -83,7 +83,7 @@ class _Persister:
             data[i] = t
         return session.write(index, StagedState(session.local_plan, data))
 
-    def commit(self, error: str | None = None):
+    def commit(self, error: "RankFailure | str | None" = None):
         """Step 3 (every rank's, together); ``error``: the rank failed while staging."""
         session, self._session = self._session, None
         if error is not None:
@@ -113,10 +113,10 @@ class _RayFuture:
         except rex.RayTaskError as exc:
             cause = exc.cause
             if isinstance(cause, CheckpointError):
-                raise CheckpointError(str(cause), cause.failures) from None
+                raise cause.copy() from None
             raise CheckpointError(f"async save failed: {cause!r}") from None
         except rex.RayActorError as exc:
-            raise CheckpointError(
+            raise CoordinatorLostError(
                 f"the persister actor died before the save committed ({exc.__class__.__name__}); "
                 f"nothing was committed and the previous checkpoint at that path is intact: save again") from None
 
@@ -164,7 +164,7 @@ class RayPersister:
     def write(self, index: int, staged: StagedState, items: list[int]) -> _RayFuture:
         return _RayFuture(self.actor.actor.write.remote(index, items, self.actor.put(staged, items, self._cap)))
 
-    def commit(self, error: str | None) -> _RayFuture:
+    def commit(self, error: "RankFailure | str | None") -> _RayFuture:
         return _RayFuture(self.actor.actor.commit.remote(error))
 
 

@@ -20,7 +20,7 @@ import ray
 from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CoordinatorLostError
 from ..pipeline.config import PipelineConfig
 from ..pipeline.driver import PipelineDriver
 from ..pipeline.status import StatusRecord
@@ -41,7 +41,7 @@ def _cause(exc: BaseException) -> BaseException:
             return cause
         return CheckpointError(f"{type(cause).__name__}: {cause}")
     if isinstance(exc, rex.RayActorError):
-        return CheckpointError(f"the pipeline coordinator actor died ({type(exc).__name__}); a new one resumes "
+        return CoordinatorLostError(f"the pipeline coordinator actor died ({type(exc).__name__}); a new one resumes "
                                "from the status records")
     return exc
 

@@ -37,7 +37,7 @@ import ray
 import torch
 from ray import exceptions as rex
 
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..transport import Transport, _unwrap, decode, encode, run_reduce
 from . import actors
@@ -240,7 +240,7 @@ class RayTransport(Transport):
             self._creator, value = ray.get(ref, timeout=self._timeout_s + _REPLY_GRACE_S)
             return decode(value)
         except rex.GetTimeoutError:
-            return CheckpointError(
+            return CoordinatorLostError(
                 f"{step}: the coordinator {self.coordinator_name!r} did not answer rank {self.rank} within "
                 f"{self._timeout_s + _REPLY_GRACE_S:g}s; is the Ray cluster overloaded?"
             )
@@ -250,12 +250,12 @@ class RayTransport(Transport):
         except rex.RayTaskError as exc:
             return CheckpointError(f"{step}: the coordinator {self.coordinator_name!r} failed: {exc}")
 
-    def _coordinator_died(self, step: str, exc: BaseException) -> CheckpointError:
+    def _coordinator_died(self, step: str, exc: BaseException) -> CoordinatorLostError:
         where = f"group '{self.group.name}' (operation {self._op_number})"
         cause = str(exc)
         if "killed by `ray.kill`" in cause or "killed by ray.kill" in cause:
             # The other ranks closed the operation without this rank: it failed while this rank was late.
-            return CheckpointError(
+            return CoordinatorLostError(
                 f"{step}: the coordinator of {where} is gone: the other ranks already ended the operation "
                 f"(it failed while rank {self.rank} was late; see their errors), or it was killed"
             )
@@ -265,12 +265,12 @@ class RayTransport(Transport):
                     f"{step}: the coordinator of {where} died with the rank that created it: rank "
                     f"{self._creator} died; check rank {self._creator}'s log"
                 )
-                return CheckpointError(msg, {self._creator: "died (its coordinator died with it)"})
-            return CheckpointError(
+                return CoordinatorLostError(msg, dead_rank=self._creator, failures={self._creator: "died (its coordinator died with it)"})
+            return CoordinatorLostError(
                 f"{step}: the coordinator of {where} died with the rank that created it, which died "
                 f"before rank {self.rank} learned which rank that was; check the ranks' logs"
             )
-        return CheckpointError(
+        return CoordinatorLostError(
             f"{step}: the coordinator of {where} died (rank {self.rank} was waiting); a rank or node of the "
             f"group probably died; check the ranks' logs ({cause.splitlines()[-1] if cause else type(exc).__name__})"
         )

@@ -45,7 +45,7 @@ import ray
 from ray import exceptions as rex
 
 from ..engine import read_metadata, transfer_with
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RanksTimedOutError
 from ..group import Group
 from .layouts import check_layout, empty_state, reuse_ranks
 from .members import Host, Member, start_members
@@ -419,10 +419,10 @@ class ShardGroup:
 
 def _combined_error(name: str, what: str, errors: dict, dead: list, stuck: list, note: str) -> CheckpointError:
     by_message: dict[str, list[int]] = {}
-    failures: dict[int, str] = {}
+    failures: dict[int, BaseException | str] = {}
     for r in sorted(errors):
         by_message.setdefault(str(errors[r]), []).append(r)
-        failures.update(errors[r].failures)
+        failures.update(errors[r].failures or {r: errors[r]})
     parts = [f"on ranks {ranks}: {msg}" for msg, ranks in by_message.items()]
     if dead:
         parts.append(f"the actors of ranks {dead} died")
@@ -432,7 +432,13 @@ def _combined_error(name: str, what: str, errors: dict, dead: list, stuck: list,
         failures.update({r: failures.get(r, "did not finish") for r in stuck})
     where = f" ({note})" if note else ""
     if len(parts) == 1:
-        return CheckpointError(f"ShardGroup '{name}' {what} failed {parts[0]}{where}", failures)
-    body = "\n".join(f"  {p}" for p in parts)
-    return CheckpointError(f"ShardGroup '{name}' {what} failed{where}:\n{body}", failures)
+        message = f"ShardGroup '{name}' {what} failed {parts[0]}{where}"
+    else:
+        body = "\n".join(f"  {p}" for p in parts)
+        message = f"ShardGroup '{name}' {what} failed{where}:\n{body}"
+    if errors:  # of the type of the lowest failed rank's error
+        return errors[min(errors)].copy(message, failures)
+    if stuck and not dead:
+        return RanksTimedOutError(message, missing_ranks=stuck, failures=failures)
+    return CheckpointError(message, failures)
 

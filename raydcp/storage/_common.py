@@ -7,6 +7,7 @@ exceptions into such messages in one place.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -14,7 +15,7 @@ from typing import Any, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointError
+from ..errors import CheckpointDamagedError, CheckpointError, StorageError
 
 METADATA_NAME = "raydcp.meta"
 
@@ -74,7 +75,7 @@ def check_name(name: str, url: str) -> str:
     if isinstance(name, str) and name and not name.startswith("/") and "\\" not in name:
         if all(part not in ("", ".", "..") for part in name.split("/")):
             return name
-    raise CheckpointError(
+    raise CheckpointDamagedError(
         f"invalid file name {name!r} in checkpoint {url}: names are relative paths such as "
         "'data/<save_id>/r00000-f000.bin', without empty parts, '.', '..' or backslashes"
     )
@@ -99,6 +100,22 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                     errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EBUSY}
+_TRANSIENT_WORDS = ("timeout", "timed out", "throttl", "slowdown", "slow down", "connection", "temporarily",
+                    "serviceunavailable", "service unavailable", "internalerror", "too many requests")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a storage failure may go away by itself (network, throttling), so that retrying helps."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno in _TRANSIENT_ERRNOS
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(w in text for w in _TRANSIENT_WORDS)
+
+
 @contextmanager
 def translating(action: str, target: str) -> Iterator[None]:
     """Turn any non-raydcp exception raised inside into a CheckpointError about ``target``."""
@@ -107,28 +124,30 @@ def translating(action: str, target: str) -> Iterator[None]:
     except CheckpointError:
         raise
     except FileNotFoundError as exc:
-        raise CheckpointError(f"could not {action} {target}: it does not exist ({describe(exc)})") from exc
+        raise StorageError(f"could not {action} {target}: it does not exist ({describe(exc)})", path=target) from exc
     except PermissionError as exc:
-        raise CheckpointError(
+        raise StorageError(
             f"could not {action} {target}: permission denied ({describe(exc)}); check the "
-            "permissions of the directory or the credentials in storage_options"
+            "permissions of the directory or the credentials in storage_options", path=target
         ) from exc
     except Exception as exc:
-        raise CheckpointError(f"could not {action} {target}: {describe(exc)}; {_CHECK_ACCESS}") from exc
+        raise StorageError(f"could not {action} {target}: {describe(exc)}; {_CHECK_ACCESS}",
+                           retriable=is_transient(exc), path=target) from exc
 
 
 def missing_file_error(file_url: str, checkpoint_url: str) -> CheckpointError:
-    return CheckpointError(
+    return CheckpointDamagedError(
         f"checkpoint file {file_url} is missing: the checkpoint at {checkpoint_url} is damaged or "
-        "was partly deleted; restore the file from a copy or load another checkpoint"
+        "was partly deleted; restore the file from a copy or load another checkpoint", file=file_url
     )
 
 
 def truncated_file_error(file_url: str, size: int, needed_end: int, checkpoint_url: str) -> CheckpointError:
-    return CheckpointError(
+    return CheckpointDamagedError(
         f"checkpoint file {file_url} is truncated: it holds {size} bytes but bytes up to "
         f"{needed_end} are needed; the checkpoint at {checkpoint_url} is damaged (an interrupted "
-        "copy or upload?); restore the file from a copy or load another checkpoint"
+        "copy or upload?); restore the file from a copy or load another checkpoint",
+        file=file_url, byte_range=(max(size, 0), needed_end)
     )
 
 

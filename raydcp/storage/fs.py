@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from . import _local
 from ._common import (
     METADATA_NAME,
@@ -16,6 +16,7 @@ from ._common import (
     describe,
     forget,
     is_local,
+    is_transient,
     missing_file_error,
     open_fs,
     translating,
@@ -134,7 +135,8 @@ class CheckpointStorage:
             raise errors[0]
         if errors:
             lines = "\n  ".join(str(e) for e in errors)
-            raise CheckpointError(f"{len(errors)} of {len(items)} files could not be written to {self.url}:\n  {lines}")
+            raise StorageError(f"{len(errors)} of {len(items)} files could not be written to {self.url}:\n  {lines}",
+                               retriable=all(getattr(e, "retriable", False) for e in errors), path=self.url)
         return written
 
     def commit(self, metadata: bytes) -> None:
@@ -319,9 +321,9 @@ class CheckpointStorage:
         if 0 <= size < needed_end:
             return truncated_file_error(file_url, size, needed_end, self.url)
         reason = describe(cause) if cause is not None else "short read"
-        return CheckpointError(
+        return StorageError(
             f"could not read {file_url}: {reason}; check that the storage is reachable and that "
-            "storage_options carry valid credentials"
+            "storage_options carry valid credentials", retriable=cause is None or is_transient(cause), path=file_url
         )
 
     # ----------------------------------------------------------------- listing
@@ -426,9 +428,9 @@ class CheckpointStorage:
                 raise
         from ..convert.detect import foreign_format_hint  # torch DCP, safetensors, torch.save: say so
 
-        raise CheckpointError(foreign_format_hint(self.fs, self.path, self.url) or (
+        raise CheckpointNotFoundError(foreign_format_hint(self.fs, self.path, self.url) or (
             f"no committed raydcp checkpoint at {self.url} (missing {METADATA_NAME}): the save has "
             "not committed yet, failed before committing, or the path is wrong; check the path, or "
-            "list the committed checkpoints under its parent with raydcp.storage.list_committed"
-        ))
+            "list the committed checkpoints under its parent with `raydcp ls PARENT`"
+        ), path=self.url)
 

@@ -5,7 +5,8 @@ import pytest
 
 from raydcp.errors import CheckpointError
 from raydcp.pipeline.policy import (Candidate, CopyInfo, Retention, RetryPolicy, Tier, load_order, make_tiers)
-from raydcp.pipeline.replicate import Piece, SourceDamaged, plan_segments
+from raydcp.errors import CheckpointDamagedError
+from raydcp.pipeline.replicate import Piece, plan_segments
 
 
 def cands(n: int, protected=()) -> list[Candidate]:
@@ -94,7 +95,7 @@ def test_segments_start_at_piece_boundaries_and_cover_the_file():
     assert {s.parts for s in segs} == {3}
     assert [(s.start, s.end) for s in plan_segments("f", 600, pieces, 10**9)] == [(0, 600)]
     assert [(s.start, s.end) for s in plan_segments("f", 0, [], 10)] == [(0, 0)]
-    with pytest.raises(SourceDamaged, match="truncated"):
+    with pytest.raises(CheckpointDamagedError, match="truncated"):
         plan_segments("f", 500, pieces, 200)
 
 

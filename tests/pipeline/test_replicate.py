@@ -6,9 +6,9 @@ import os
 import pytest
 
 import raydcp
-from raydcp.errors import CheckpointError
+from raydcp.errors import CheckpointDamagedError, CheckpointError
 from raydcp.pipeline.config import ThreadRunner
-from raydcp.pipeline.replicate import SourceDamaged, commit_copy, copy_segment, replicate_files
+from raydcp.pipeline.replicate import commit_copy, copy_segment, replicate_files
 from raydcp.storage import CheckpointStorage
 
 from .helpers import files_of, flip_a_byte, make_state
@@ -81,7 +81,7 @@ def test_an_older_save_on_the_target_stays_loadable_until_the_commit(tmp_path, r
 def test_damaged_source_is_not_copied(tmp_path, runner):
     raydcp.save(make_state(), tmp_path / "src")
     flip_a_byte(str(tmp_path / "src"))
-    with pytest.raises(SourceDamaged, match="checksum mismatch"):
+    with pytest.raises(CheckpointDamagedError, match="checksum mismatch"):
         replicate(str(tmp_path / "src"), str(tmp_path / "dst"), runner)
     assert not CheckpointStorage(str(tmp_path / "dst")).is_committed()
 

@@ -104,7 +104,8 @@ class RankActor:
                     t.close()
                     out.append(("ok", None))
             except CheckpointError as exc:
-                out.append(("err", str(exc), exc.failures, time.monotonic() - start))
+                failures = {r: str(e) for r, e in exc.failures.items()}  # rank -> its exception, as text
+                out.append(("err", str(exc), failures, time.monotonic() - start))
                 t.close()
                 break
         return out

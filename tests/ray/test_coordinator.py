@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from raydcp.errors import CheckpointError, RankFailure
+from raydcp.errors import CheckpointError, RankFailedError, RankFailure, RanksTimedOutError
 from raydcp.runtime.coordinator import Coordinator
 
 from ._ranks import add_rank_sum, boom, buggy, gather_all, wrong_length
@@ -59,7 +59,11 @@ def test_failures_reach_every_rank(values, fn, expect):
         assert all(isinstance(e, CheckpointError) for e in out)
         assert len({str(e) for e in out}) == 1 and expect in str(out[0])
         if isinstance(values[1], RankFailure):
-            assert out[0].failures == {1: "disk full", 2: "no such key 'b'"}
+            assert {r: str(e) for r, e in out[0].failures.items()} == {1: "disk full", 2: "no such key 'b'"}
+        if fn is buggy:  # an exception in the reduction names the coordinator and the frame that raised it
+            assert isinstance(out[0], RankFailedError) and out[0].rank is None
+            assert isinstance(out[0].exception, ZeroDivisionError) and "_ranks.py" in str(out[0])
+            assert out[0].origin == "user"  # the reduction is this test's code, not raydcp's
 
     run(main())
 
@@ -74,6 +78,7 @@ def test_missing_rank_times_out_with_its_name_and_later_calls_fail_fast():
             assert isinstance(e, CheckpointError)
             assert "ranks [2]" in str(e) and "'trainer'" in str(e) and "timeout_s" in str(e)
             assert set(e.failures) == {2}
+            assert isinstance(e, RanksTimedOutError) and e.missing_ranks == (2,) and e.timeout_s == 0.3
         # the late rank learns at once that the operation failed
         _, late = await c.reduce_scatter(2, 3, 1, "plan", 3, gather_all)
         assert late is out[0]
