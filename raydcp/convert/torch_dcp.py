@@ -28,7 +28,7 @@ import torch
 from ..codec import dtype_from_name, dtype_name, is_plain_value
 from ..engine import save
 from ..errors import CheckpointError
-from ..planner.save import _tiling_problems
+from ..planner.tiling import piece_problems
 from ..storage import CheckpointStorage
 from ._io import DEFAULT_BUDGET, ConvertResult, Destination, Progress, TensorSource
 from .dcp_pickle import read_dcp_metadata
@@ -201,7 +201,7 @@ def _read_tensor(storage: CheckpointStorage, fqn: str, entry, records: dict) -> 
     shape, dtype = tuple(entry.size), entry.properties.dtype
     dtype_name(dtype)  # a CheckpointError naming the dtype if raydcp cannot store it
     boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
-    problems = _tiling_problems(fqn, shape, boxes)
+    problems = piece_problems(fqn, shape, boxes)
     if problems:
         raise CheckpointError(f"{storage.url}: the DCP checkpoint's chunks do not form whole tensors: {problems[0]}")
     out = None

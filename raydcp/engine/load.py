@@ -11,7 +11,8 @@ from ..errors import CheckpointError, RankFailure
 from ..metadata import Metadata, decode_metadata
 from ..planner import (LocalLoadPlan, LocalSavePlan, RankLoadPlan, ReadItem, SourceChunk, TensorSpec,
                        check_requests, plan_load, stored_sources)
-from ..planner.save import _agree_on_tensors, _agree_on_values, _tiling_problems
+from ..planner.save import _agree_on_tensors, _agree_on_values
+from ..planner.tiling import piece_problems
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
 from ..transport import Transport
@@ -128,7 +129,7 @@ def _reduce_transfer_plan(pairs: Sequence[tuple[LocalSavePlan | None, LocalLoadP
             holders = (prev.holders if prev else ()) + (sp.rank,)
             chunks[it.key][box] = SourceChunk(it.key, tensors[it.key].dtype, it.offsets, it.sizes,
                                               nbytes=it.nbytes, holders=holders)
-    problems = [p for k, s in tensors.items() for p in _tiling_problems(k, s.shape, list(chunks.get(k, {})))]
+    problems = [p for k, s in tensors.items() for p in piece_problems(k, s.shape, list(chunks.get(k, {})))]
     if problems:
         raise CheckpointError("the source group's pieces do not form whole tensors:\n  " + "\n  ".join(problems))
     dests = [p[1] if p[1] is not None else LocalLoadPlan(r, {}, (), (), strict=False) for r, p in enumerate(pairs)]

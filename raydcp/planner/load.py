@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import CheckpointError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs, numel
+from .tiling import require_tiling
 from .load_arrays import (SPLIT_MIN_BYTES, _ChunkIndex, _names, _plan_load_columns, _shared_columns,  # noqa: F401
                           _splits, _StoredSources)
 from .types import ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, SourceChunk, StoredChunks, TensorSpec
@@ -94,7 +95,17 @@ def _check_requests(
 def stored_sources(md) -> Mapping[str, StoredChunks]:
     """The source chunks of a checkpoint's metadata, as columns (no per-chunk objects). Decoded
     metadata gives a mapping over its shared chunk columns: the planner takes them whole, and
-    the per-tensor StoredChunks are built only if a caller looks one up."""
+    the per-tensor StoredChunks are built only if a caller looks one up.
+
+    The chunks must tile their tensors exactly (CheckpointError otherwise): a load fills only what
+    the chunks cover, so a gap left by an overlap would keep the destination's old values.
+    """
+    require_tiling(md.tensors)
+    return _sources(md)
+
+
+def _sources(md) -> Mapping[str, StoredChunks]:
+    """:func:`stored_sources` without the tiling check."""
     if isinstance(getattr(md.tensors, "columns", None), ChunkColumns):
         return _StoredSources(md.tensors)
     return {key: StoredChunks(key, t.dtype, ChunkTable.from_chunks(t.chunks, len(t.shape)))

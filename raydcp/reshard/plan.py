@@ -24,7 +24,8 @@ from ..errors import CheckpointError
 from ..metadata import Metadata
 from ..planner import TensorSpec
 from ..planner.boxes import numel
-from ..planner.save import ALIGN, _tiling_problems
+from ..planner.save import ALIGN
+from ..planner.tiling import require_tiling
 
 __all__ = ["LAYOUTS", "OPTIMIZER_PREFIXES", "ReshardOptions", "Part", "Round", "ReshardPlan", "plan_reshard",
            "piece_box", "part_box", "dtype_alias"]
@@ -235,11 +236,7 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
     if per_process not in PER_PROCESS:
         raise CheckpointError(f"per_process must be one of {PER_PROCESS}, got {per_process!r}")
     world, budget, layout = options.world_size, options.memory_budget, options.layout
-    gaps = [p for k, t in md.tensors.items() for p in _tiling_problems(k, t.shape, [(c.offsets, c.sizes)
-                                                                                        for c in t.chunks])]
-    if gaps:
-        raise CheckpointError("the source's metadata does not describe whole tensors (run `raydcp verify`): "
-                              + "; ".join(gaps[:5]))
+    require_tiling(md.tensors, "the source checkpoint")
     dropped = tuple(k for k in md.keys() if options.dropped(k))
     keep = [k for k in sorted(md.tensors) if not options.dropped(k)]
     values = {k: v for k, v in md.values.items() if not options.dropped(k)}
