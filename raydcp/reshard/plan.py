@@ -6,7 +6,7 @@ consolidating every tensor into one whole piece (``consolidate``). It streams: t
 cut into *rounds* whose pieces fit ``memory_budget`` bytes per process, and each round is loaded
 and written before the next one starts (:mod:`raydcp.engine.rounds` commits them as one checkpoint).
 
-Layouts (the same as ``raydcp.ShardGroup``'s): ``dim0`` splits dimension 0 into ``torch.chunk``
+Layouts (:mod:`raydcp.planner.layouts`, the same as ``raydcp.ShardGroup``'s): ``dim0`` splits dimension 0 into ``torch.chunk``
 pieces (trailing ranks may hold empty pieces), ``dim1`` the same along dimension 1 (1-D tensors
 along dimension 0), ``replicated`` gives every rank the whole tensor (written once); 0-D tensors
 are replicated. ``consolidate`` gives each tensor, whole, to one rank (balanced by bytes).
@@ -24,13 +24,13 @@ from ..errors import CheckpointError
 from ..metadata import Metadata
 from ..planner import TensorSpec
 from ..planner.boxes import numel
+from ..planner.layouts import LAYOUTS, piece_box
 from ..planner.save import ALIGN
 from ..planner.tiling import require_tiling
 
 __all__ = ["LAYOUTS", "OPTIMIZER_PREFIXES", "ReshardOptions", "Part", "Round", "ReshardPlan", "plan_reshard",
-           "piece_box", "part_box", "dtype_alias"]
+           "part_box", "dtype_alias"]
 
-LAYOUTS = ("dim0", "dim1", "replicated")
 OPTIMIZER_PREFIXES = ("optim", "optimizer", "optimizers", "optim_state", "optimizer_state")
 _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
             "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn"}
@@ -144,19 +144,6 @@ class ReshardPlan:
     def identity(self) -> dict:
         """What makes a run of this plan the same job (journal, idempotency)."""
         return {"source_save_id": self.source_save_id, "options": self.options.identity()}
-
-
-def piece_box(shape: tuple[int, ...], layout: str, rank: int, world_size: int):
-    """``(offsets, sizes)`` of ``rank``'s piece of a tensor of ``shape``, or None for the whole tensor."""
-    if layout == "replicated" or len(shape) == 0:
-        return None
-    d = 1 if layout == "dim1" and len(shape) >= 2 else 0
-    n = shape[d]
-    step = -(-n // world_size)  # torch.chunk's piece size
-    lo = min(rank * step, n)
-    hi = min(lo + step, n)
-    return (tuple(lo if i == d else 0 for i in range(len(shape))),
-            tuple(hi - lo if i == d else s for i, s in enumerate(shape)))
 
 
 def part_box(part: Part, layout: str, rank: int, world_size: int):

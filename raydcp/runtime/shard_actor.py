@@ -21,7 +21,8 @@ from ..engine import transfer as _transfer
 from ..errors import CheckpointError
 from ..group import Group
 from ..state import Shard
-from .layouts import Specs, empty_state
+from ..planner.layouts import Specs
+from .layouts import empty_state
 
 __all__ = ["ShardActor"]
 

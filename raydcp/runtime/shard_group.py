@@ -15,7 +15,7 @@ actors, and of the driver itself for ``full_state_dict``):
 4. ``reshard(M2)``: a new ShardGroup of M2 ranks receives the state from this one
    through the object store (``raydcp.engine.transfer``), no storage round trip.
    The new group keeps this group's actors where they already hold the most of
-   their new pieces (``layouts.reuse_ranks``; those bytes are copied within the
+   their new pieces (``planner.layouts.reuse_ranks``; those bytes are copied within the
    actor), so it starts actors only for the ranks it adds, and a 4 -> 6 reshard
    needs 6 GPUs, not 10. Both groups stay usable; an actor ends when the last
    group using it shuts down. ``prepare_reshard(M2)`` starts the actors a later
@@ -47,7 +47,8 @@ from ray import exceptions as rex
 from ..engine import read_metadata, transfer
 from ..errors import CheckpointError
 from ..group import Group
-from .layouts import check_layout, empty_state, reuse_ranks
+from ..planner.layouts import check_layout, reuse_ranks
+from .layouts import empty_state
 from .members import Host, Member, start_members
 from .shard_actor import ShardActor
 

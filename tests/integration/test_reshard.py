@@ -20,7 +20,7 @@ from raydcp.engine.rounds import RoundRecords, commit_rounds, new_save_id, round
 from raydcp.errors import CheckpointError
 from raydcp.planner import TensorSpec
 from raydcp.reshard import ReshardOptions, ThreadExecutor, plan_reshard, reshard, reshard_with
-from raydcp.reshard.plan import piece_box
+from raydcp.planner.layouts import piece_box
 from raydcp.state import Shard
 from raydcp.transport import LocalTransport
 from tests.engine.helpers import run_ranks

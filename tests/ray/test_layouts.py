@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from raydcp.errors import CheckpointError
-from raydcp.runtime.layouts import empty_state, piece_box, take_piece
+from raydcp.planner.layouts import piece_box
+from raydcp.runtime.layouts import empty_state, take_piece
 from raydcp.runtime.shard_group import plan_placement
 from raydcp.state import Shard
 
@@ -62,7 +63,7 @@ def test_placement_with_gpus():
 
 
 def test_reuse_ranks_keeps_the_pieces_in_place():
-    from raydcp.runtime.layouts import reuse_ranks
+    from raydcp.planner.layouts import reuse_ranks
 
     specs = {f"t{i}": ((2048, 1024), "float32") for i in range(4)}
     # 4 -> 6 along rows: old rank 1 holds new rank 2's rows, old 2 new 3's, old 3 new 5's

@@ -44,7 +44,7 @@ def _alive(ray, handles) -> list[bool]:
 
 
 def test_reshard_keeps_the_actors_holding_their_new_pieces(ray_session, src, full):
-    from raydcp.runtime.layouts import reuse_ranks
+    from raydcp.planner.layouts import reuse_ranks
 
     # 2 -> 4 with a GPU each: the session's 4 GPUs are enough only because the reshard adds
     # 2 actors, not 4 beside the 2 it has.

@@ -1,14 +1,10 @@
-"""Layouts used by planner tests: which box of a global tensor each rank holds."""
+"""Layouts used by planner tests: which box of a global tensor each rank holds, in the
+layouts of :mod:`raydcp.planner.layouts` and in grids of blocks (which no ShardGroup uses)."""
 from __future__ import annotations
 
 import torch
 
-
-def chunk_bounds(n: int, parts: int, i: int) -> tuple[int, int]:
-    """torch.chunk semantics: ceil-sized pieces, trailing ranks may hold nothing."""
-    size = -(-n // parts) if n else 0
-    lo = min(i * size, n)
-    return lo, min(lo + size, n) - lo
+from raydcp.planner.layouts import chunk_bounds  # noqa: F401 (the tests import it from here)
 
 
 def rows(shape, world, rank):
