@@ -36,7 +36,6 @@ def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = S
     sort and a sweep. Tensors split otherwise (grids) are checked box by box, and any plan the
     array path finds wrong is planned again box by box, which names every problem.
     """
-    world = len(local_plans)
     for i, lp in enumerate(local_plans):
         if lp.rank != i:
             raise CheckpointError(f"local plans out of order: position {i} holds rank {lp.rank}")
