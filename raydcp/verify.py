@@ -15,7 +15,8 @@ import crc32c as _crc32c
 
 from .codec import checksum
 from .errors import CheckpointError
-from .metadata import ChunkMeta, Metadata, decode_metadata
+from .metadata import ChunkMeta, Metadata
+from .metadata_format import decode_metadata
 from .planner.tiling import tiling_problems
 from .storage import METADATA_NAME, CheckpointStorage
 

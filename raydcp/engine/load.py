@@ -8,7 +8,8 @@ from typing import Any, Sequence
 
 from ..codec import itemsize
 from ..errors import CheckpointError, RankFailure
-from ..metadata import Metadata, decode_metadata
+from ..metadata import Metadata
+from ..metadata_format import decode_metadata
 from ..planner import (LocalLoadPlan, RankLoadPlan, ReadItem, TensorSpec,
                        check_requests, plan_load, stored_sources)
 from ..planner.transfer import plan_transfer

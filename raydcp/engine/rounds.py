@@ -34,7 +34,8 @@ from functools import partial
 from typing import Any, Mapping, Sequence
 
 from ..errors import CheckpointError, RankFailure
-from ..metadata import ChunkMeta, Metadata, TensorMeta, encode_metadata
+from ..metadata import ChunkMeta, Metadata, TensorMeta
+from ..metadata_format import encode_metadata
 from ..planner import SavePlanOptions, TensorSpec
 from ..planner.tiling import piece_problems
 from ..state import flatten_state

@@ -12,7 +12,8 @@ import torch
 
 from ..codec import checksum, combine_block_checksums
 from ..errors import CheckpointError, RankFailure
-from ..metadata import BLOCK_BYTES, ChunkColumns, Metadata, TensorMetas, encode_metadata
+from ..metadata import BLOCK_BYTES, ChunkColumns, Metadata, TensorMetas
+from ..metadata_format import encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state

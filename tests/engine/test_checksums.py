@@ -131,7 +131,8 @@ def test_reads_given_as_chunk_objects_take_the_same_paths(tmp_path, monkeypatch)
 def test_commit_builds_sorted_chunk_tables_from_records():
     import sys
 
-    from raydcp.metadata import Metadata, decode_metadata, encode_metadata
+    from raydcp.metadata import Metadata
+    from raydcp.metadata_format import decode_metadata, encode_metadata
     from raydcp.planner import TensorSpec
 
     tensor_metas = sys.modules["raydcp.engine.save"]._tensor_metas

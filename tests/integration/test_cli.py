@@ -180,7 +180,8 @@ def test_pieces_that_leave_a_gap(ckpt, tmp_path, capsys):
     """Metadata whose pieces do not cover a tensor: verify names it, exports refuse it."""
     import dataclasses
 
-    from raydcp.metadata import TensorMeta, encode_metadata
+    from raydcp.metadata import TensorMeta
+    from raydcp.metadata_format import encode_metadata
     from raydcp.storage import CheckpointStorage
 
     path, md = ckpt

@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from raydcp import CheckpointError
 from raydcp.metadata import BLOCK_BYTES as BLOCK
-from raydcp.metadata import FORMAT_VERSION, ChunkMeta, Metadata, TensorMeta, decode_metadata, encode_metadata
+from raydcp.metadata import FORMAT_VERSION, ChunkMeta, Metadata, TensorMeta
+from raydcp.metadata_format import decode_metadata, encode_metadata
 
 
 def sample() -> Metadata:
@@ -80,7 +81,7 @@ def test_arbitrary_bytes_only_raise_checkpoint_error(blob):
 def test_payload_garbage_behind_a_valid_envelope_only_raises_checkpoint_error(payload):
     # a correct envelope and checksum around garbage: the Arrow decoder itself must be guarded
     from raydcp.codec import checksum
-    from raydcp.metadata import MAGIC, _PREAMBLE
+    from raydcp.metadata_format import MAGIC, _PREAMBLE
 
     blob = _PREAMBLE.pack(MAGIC, *FORMAT_VERSION, len(payload), checksum(payload)) + payload
     with pytest.raises(CheckpointError):
@@ -127,7 +128,7 @@ def test_mixed_dimensions_and_block_checksums_round_trip():
 def test_rows_out_of_tensor_order_decode_on_the_general_path():
     import pyarrow as pa
 
-    from raydcp.metadata import _SCHEMA_FIELDS, _envelope, _header
+    from raydcp.metadata_format import _SCHEMA_FIELDS, _envelope, _header
 
     md = sample()
     cols = [pa.array([1, 0, 0], pa.int32()), pa.array([[], [0, 0], [2, 0]], pa.list_(pa.int64())),
@@ -196,7 +197,7 @@ def test_tables_viewing_one_set_of_columns_encode_as_the_objects_do():
 
 
 def test_a_tensor_listed_twice_in_the_header_is_refused():
-    from raydcp.metadata import _SCHEMA_FIELDS, _envelope, _header
+    from raydcp.metadata_format import _SCHEMA_FIELDS, _envelope, _header
 
     import pyarrow as pa
 

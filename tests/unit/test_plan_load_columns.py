@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from raydcp.metadata import BLOCK_BYTES, ChunkMeta, ChunkTable, Metadata, TensorMeta, decode_metadata, encode_metadata
+from raydcp.metadata import BLOCK_BYTES, ChunkMeta, ChunkTable, Metadata, TensorMeta
+from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import LocalLoadPlan, ReadItem, StoredChunks, TensorSpec, plan_load, stored_sources
 from raydcp.planner.load import _shared_columns, _StoredSources
 

@@ -12,7 +12,8 @@ import random
 import pytest
 
 from raydcp import CheckpointError
-from raydcp.metadata import ChunkMeta, Metadata, TensorMeta, decode_metadata, encode_metadata
+from raydcp.metadata import ChunkMeta, Metadata, TensorMeta
+from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import (LocalLoadPlan, LocalSavePlan, ReadItem, SavePlanOptions, SourceChunk, TensorSpec,
                             WriteItem, plan_load, plan_save, stored_sources)
 from raydcp.planner.boxes import numel

@@ -4,7 +4,8 @@ import sys
 import numpy as np
 import torch
 
-from raydcp.metadata import ChunkColumns, Metadata, TensorMeta, decode_metadata, encode_metadata
+from raydcp.metadata import ChunkColumns, Metadata, TensorMeta
+from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import SavePlanOptions, chunk_tables, plan_save
 from raydcp.state import flatten_state
 
