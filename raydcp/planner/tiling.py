@@ -260,9 +260,12 @@ def _columns(tensors: Mapping[str, Any]):
     if cols is not None and hasattr(tensors, "shapes"):  # decoded metadata: its columns as they are
         return list(tensors.names), [tuple(s) for s in tensors.shapes], cols.rows, cols.offsets, cols.sizes
     names = list(tensors)
-    shapes = [tuple(tensors[k].shape) for k in names]
+    metas = [tensors[k] for k in names]
+    shapes = [tuple(tm.shape) for tm in metas]
     width = max([1, *map(len, shapes)])
-    chunks = [tensors[k].chunks for k in names]
+    chunks = [tm.chunks for tm in metas]
+    if all(isinstance(getattr(cs, "offsets", None), np.ndarray) for cs in chunks):  # chunk tables: their arrays
+        return (names, shapes, *_stack_tables(chunks, shapes, width))
     counts = np.fromiter(map(len, chunks), np.int64, len(names))
     rows = np.zeros(len(names) + 1, np.int64)
     np.cumsum(counts, out=rows[1:])
@@ -280,3 +283,19 @@ def _columns(tensors: Mapping[str, Any]):
             off[i, :len(o)], size[i, :len(s)] = o, s
             i += 1
     return names, shapes, rows, off, size
+
+
+def _stack_tables(tables: list, shapes: list[tuple[int, ...]], width: int):
+    """(rows, offsets, sizes) of chunk tables (``offsets``/``sizes`` arrays of a row per chunk)."""
+    counts = np.fromiter(map(len, tables), np.int64, len(tables))
+    rows = np.zeros(len(tables) + 1, np.int64)
+    np.cumsum(counts, out=rows[1:])
+    off, size = np.zeros((int(rows[-1]), width), np.int64), np.ones((int(rows[-1]), width), np.int64)
+    for t, ct in enumerate(tables):
+        if counts[t]:
+            o, z = np.asarray(ct.offsets, np.int64), np.asarray(ct.sizes, np.int64)
+            nd = len(shapes[t])
+            if o.shape != (counts[t], nd) or z.shape != (counts[t], nd):  # the wrong dimension: outside
+                o, z = np.full((counts[t], max(nd, 1)), -1, np.int64), np.ones((counts[t], max(nd, 1)), np.int64)
+            off[rows[t]:rows[t + 1], :o.shape[1]], size[rows[t]:rows[t + 1], :z.shape[1]] = o, z
+    return rows, off, size
