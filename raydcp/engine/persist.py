@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
 
 from ..errors import CheckpointError
 from . import procmem

@@ -2,7 +2,6 @@
 and any damage found whichever read path a chunk takes (batched small chunks, pooled large ones)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

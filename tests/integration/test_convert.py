@@ -124,7 +124,7 @@ def test_from_dcp_assembles_sharded_tensors(tmp_path):
     dcp.save({"top": full[:4].clone(), "bottom": full[4:].clone()}, storage_writer=dcp.FileSystemWriter(str(src)))
     meta_path = src / ".metadata"
     md = pickle.loads(meta_path.read_bytes())  # our own file, written just now by torch
-    top, bottom = md.state_dict_metadata.pop("top"), md.state_dict_metadata.pop("bottom")
+    top, _bottom = md.state_dict_metadata.pop("top"), md.state_dict_metadata.pop("bottom")
     top.size = torch.Size([6, 4])
     top.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4])),
                   ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([2, 4]))]

@@ -128,6 +128,7 @@ def src(tmp_path_factory, full):
     return path
 
 
+@pytest.mark.ray
 def test_ray_job_submit_reshards_bit_exact_and_reruns_as_noop(head, src, full, tmp_path):
     dst = str(tmp_path / "dst")
     args = (src, dst, "--world-size", "3", "--memory-budget", "400", "--num-cpus-per-actor", "0.5", "--json")

@@ -16,7 +16,7 @@ import pytest
 
 import raydcp
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.multinode, pytest.mark.timeout(600)]
 
 
 def test_scale_up_through_an_added_node_resumes_resharded_and_matches(train_runs):
