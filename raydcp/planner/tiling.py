@@ -17,8 +17,10 @@ corners that occur an odd number of times among all pieces' corners determine, m
 often every element is covered. If those odd corners are exactly the tensor's own corners,
 every element is covered an odd number of times (at least once); if moreover the pieces'
 element counts add up to the tensor's, every element is covered exactly once. Dimensions that
-every piece spans whole are left out of the corners (a row split of a matrix has 2 corners a
-piece, not 4). One sort of the corners checks every tensor at once.
+every piece spans whole are left out of the corners, and pieces that split their tensor along one
+dimension only (rows of a matrix, the usual case) are checked as intervals instead: sorted along
+that dimension (they usually come sorted), each must start where the one before ended. One sort
+of the corners checks every other tensor at once.
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def untiled(shapes: Sequence[tuple[int, ...]], rows: np.ndarray, offsets: np.nda
     todo = good & ~bad[key]
     if todo.any():
         every = bool(todo.all())
-        bad |= _odd_corners_wrong(k, key if every else key[todo], offsets if every else offsets[todo],
+        bad |= _pieces_wrong(k, key if every else key[todo], offsets if every else offsets[todo],
                                   sizes if every else sizes[todo], ext)
     for t in np.flatnonzero(big).tolist():
         a, b = int(rows[t]), int(rows[t + 1])
@@ -153,15 +155,65 @@ def _extents(shapes: Sequence[tuple[int, ...]], width: int):
     return ext, expect, big
 
 
-def _odd_corners_wrong(k: int, key: np.ndarray, off: np.ndarray, size: np.ndarray, ext: np.ndarray) -> np.ndarray:
-    """Per tensor: whether the corners its (live, inside) pieces hold an odd number of times are
-    anything but the tensor's own corners (in the dimensions its pieces split)."""
+def _pieces_wrong(k: int, key: np.ndarray, off: np.ndarray, size: np.ndarray, ext: np.ndarray) -> np.ndarray:
+    """Per tensor: whether its (live, inside) pieces fail to cover it exactly once, given that
+    their element counts add up: as intervals where they split it along one dimension (the
+    usual case), by their odd corners (module doc) where along several."""
     n, width = off.shape
     split = np.zeros((k, width), bool)  # dimensions some piece of the tensor does not span
     e = np.empty(n, np.int64)
     for d in range(width):
         np.take(ext[:, d], key, out=e)
         split[:, d] = np.bincount(key[(off[:, d] != 0) | (size[:, d] != e)], minlength=k) > 0
+    nsplit = split.sum(axis=1)
+    one = nsplit[key] <= 1
+    if one.all():
+        return _intervals_wrong(k, key, off, size, ext, split)
+    bad = np.zeros(k, bool)
+    if one.any():
+        bad |= _intervals_wrong(k, key[one], off[one], size[one], ext, split)
+        key, off, size = key[~one], off[~one], size[~one]
+    return bad | _corners_wrong(k, key, off, size, ext, split)
+
+
+def _intervals_wrong(k: int, key: np.ndarray, off: np.ndarray, size: np.ndarray, ext: np.ndarray,
+                     split: np.ndarray) -> np.ndarray:
+    """The pieces of tensors split along at most one dimension are intervals along it: sorted on
+    one line (key after key), each must start where the one before ended, the first at 0 and the
+    last at the tensor's end. No sort where they come sorted (as stored chunks usually do)."""
+    dim = np.argmax(split, axis=1)  # the split dimension (0 where none: every piece is whole)
+    d_of = dim[key]
+    if (d_of == d_of[0]).all():
+        d = int(d_of[0])
+        start, length, end_t = off[:, d], size[:, d], ext[:, d]
+    else:
+        at = np.arange(len(key)) * off.shape[1] + d_of
+        start, length = off.reshape(-1)[at], size.reshape(-1)[at]
+        end_t = ext[np.arange(k), dim]
+    if float(end_t.astype(np.float64).sum()) + k < _BIG:
+        base = np.zeros(k, np.int64)
+        np.cumsum(end_t[:-1] + 1, out=base[1:])
+        line = base[key] + start
+        order = np.argsort(line, kind="stable") if len(line) > 1 and (line[1:] < line[:-1]).any() else None
+    else:  # the line would not fit in int64: sort by key, then start
+        order = np.lexsort((start, key))
+    if order is not None:
+        key, start, length = key[order], start[order], length[order]
+    stop = start + length
+    head = np.r_[True, key[1:] != key[:-1]]
+    last = np.r_[key[1:] != key[:-1], True]
+    bad = np.zeros(k, bool)
+    bad[key[head & (start != 0)]] = True
+    bad[key[last & (stop != end_t[key])]] = True
+    gap = ~head[1:] & (start[1:] != stop[:-1])
+    bad[key[1:][gap]] = True
+    return bad
+
+
+def _corners_wrong(k: int, key: np.ndarray, off: np.ndarray, size: np.ndarray, ext: np.ndarray,
+                   split: np.ndarray) -> np.ndarray:
+    """The odd-corner check (module doc) of tensors split along several dimensions."""
+    n, width = off.shape
     bits = (split.astype(np.int64) << np.arange(width)).sum(axis=1)  # per tensor, its split dimensions
     used = int(np.bitwise_or.reduce(bits))
     lattice_f = np.where(split, ext + 1, 1).astype(np.float64).prod(axis=1)
