@@ -11,21 +11,9 @@ import torch
 import raydcp
 from raydcp.errors import CheckpointError
 
-from ._shards import assert_holds, reference_state, same_bits
+from ._shards import assert_holds, same_bits
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def full():
-    return reference_state()
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory, full):
-    path = str(tmp_path_factory.mktemp("reuse") / "src")
-    raydcp.save(full, path)
-    return path
 
 
 def _ids(handles) -> list[str]:

@@ -11,23 +11,11 @@ import torch
 import raydcp
 from raydcp.errors import CheckpointError
 
-from ._shards import assert_holds, bump, check_pieces, piece_ptrs, reference_state, same_bits
+from ._shards import assert_holds, bump, check_pieces, piece_ptrs, same_bits
 
 pytestmark = pytest.mark.ray
 
 GPU_SHARE = 0.05  # fractional logical GPUs: the whole pool fits on the session's 4
-
-
-@pytest.fixture(scope="module")
-def full():
-    return reference_state()
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory, full):
-    path = str(tmp_path_factory.mktemp("shard_group") / "src")
-    raydcp.save(full, path)  # one participant, in-process
-    return path
 
 
 @pytest.fixture(scope="module")
