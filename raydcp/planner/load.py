@@ -22,8 +22,9 @@ from ..errors import CheckpointError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs, numel
 from .tiling import require_tiling
-from .load_arrays import (SPLIT_MIN_BYTES, _ChunkIndex, _names, _plan_load_columns, _shared_columns,  # noqa: F401
-                          _splits, _StoredSources)
+from .chunk_index import _ChunkIndex
+from .joint_reads import SPLIT_MIN_BYTES, _splits
+from .load_arrays import _names, _plan_load_columns, _shared_columns, _StoredSources  # noqa: F401
 from .types import ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, SourceChunk, StoredChunks, TensorSpec
 
 __all__ = ["plan_load", "check_requests", "stored_sources", "SPLIT_MIN_BYTES"]

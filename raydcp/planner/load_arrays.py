@@ -2,67 +2,28 @@
 
 The chunks a request overlaps are found by a binary search where a tensor's chunks are split
 along one dimension, box by box otherwise; readers are assigned on arrays, and a rank's reads
-come out as a :class:`ReadTable`. Also the rule, shared with the object path, for splitting a
-stored chunk between the ranks that need it (joint reads).
+come out as a :class:`ReadTable`. Joint reads (a large chunk read part by part by the ranks
+that need the parts) are :mod:`.joint_reads`; the box-by-box search is :mod:`.chunk_index`.
 """
 from __future__ import annotations
 
-import bisect
 from types import SimpleNamespace
-from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import CheckpointError
 from ..metadata import ChunkTable
-from .boxes import byte_runs, intersect, merge_runs
+from .boxes import byte_runs, merge_runs
 from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_arrays
 from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _stack_items, _take
-from .types import RankLoadPlan, ReadTable, SourceChunk, StoredChunks
-
-# stored chunks from this size on are read part by part by the ranks that need the parts
-SPLIT_MIN_BYTES = 1 << 20
-MAX_JOINT_RUNS = 16  # byte runs one rank may read of a split chunk
-
-
-def _splits(rank_runs: Mapping[int, list], nbytes: int) -> bool:
-    """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks and
-    together cover the whole chunk (so every checksum block is verified by its readers)."""
-    merged = [merge_runs(runs) for runs in rank_runs.values()]
-    if any(len(runs) > MAX_JOINT_RUNS for runs in merged):
-        return False  # interleaved parts (a column split): one reader, fewer and larger reads
-    return sum(e - s for runs in merged for s, e in runs) == nbytes and \
-        merge_runs([r for runs in merged for r in runs]) == [(0, nbytes)]
+from .chunk_index import _general_pairs
+from .joint_reads import _split_large_chunks
+from .types import RankLoadPlan, ReadTable, StoredChunks
 
 
 def _names(keys: list[str], limit: int = 20) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-class _ChunkIndex:
-    """The chunks of one tensor sorted along the dimension they are split most along, so the
-    chunks a box may overlap are found by bisection instead of a scan of every chunk."""
-
-    def __init__(self, chunks: Sequence[SourceChunk]):
-        self.chunks = chunks
-        nd = len(chunks[0].offsets) if chunks else 0
-        self.dim = max(range(nd), key=lambda d: len({c.offsets[d] for c in chunks})) if nd else -1
-        if self.dim < 0:
-            self.order, self.starts, self.span = list(range(len(chunks))), [], 0
-            return
-        d = self.dim
-        self.order = sorted(range(len(chunks)), key=lambda i: chunks[i].offsets[d])
-        self.starts = [chunks[i].offsets[d] for i in self.order]
-        self.span = max((c.sizes[d] for c in chunks), default=0)
-
-    def candidates(self, offsets, sizes):
-        if self.dim < 0:
-            return self.order
-        lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
-        first = bisect.bisect_left(self.starts, lo - self.span + 1)
-        last = bisect.bisect_left(self.starts, hi)
-        return self.order[first:last]
 
 
 def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoadPlan] | None:
@@ -543,72 +504,3 @@ def _read_tables(a: _Arrays) -> list[RankLoadPlan]:
                                   values={k: values[k] for k in lp.values if k in values},
                                   bytes_read=int(bytes_read[r]), bytes_needed=int(needed[r])))
     return plans
-
-
-def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes,
-                        s_off, s_size, s_key, nd_key, isz):
-    """Regroup the pairs of every large stored chunk that several ranks need in disjoint parts
-    covering it: one group per rank (in the order the ranks first appear), so each rank reads its
-    own part. Also returns, per group, whether it is such a part (a joint read)."""
-    cand = np.flatnonzero((s_nbytes[sp_chunk] >= SPLIT_MIN_BYTES) & ~live_chunk[sp_chunk] & (sp_count > 1))
-    splits: dict[int, list[list[int]]] = {}
-    for j in cand.tolist():
-        grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]]
-        ranks = p_rank[grp]
-        if (ranks == ranks[0]).all():
-            continue
-        c = int(sp_chunk[j])
-        k = int(s_key[c])
-        nd = max(int(nd_key[k]), 0)
-        co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
-        glo, gsz = boxes(grp)
-        by_rank: dict[int, list[int]] = {}
-        runs: dict[int, list] = {}
-        for x, r, o, z in zip(grp.tolist(), ranks.tolist(), glo.tolist(), gsz.tolist()):
-            by_rank.setdefault(r, []).append(x)
-            runs.setdefault(r, []).extend(byte_runs(co, cs, tuple(o[:nd]), tuple(z[:nd]), int(isz[k])))
-        if _splits(runs, int(s_nbytes[c])):
-            splits[j] = list(by_rank.values())
-    if not splits:
-        return sp, sp_heads, sp_chunk, sp_count, np.zeros(len(sp_heads), bool)
-    groups: list = []
-    chunks: list[int] = []
-    joint: list[bool] = []
-    for j in range(len(sp_heads)):
-        parts = splits.get(j) or [sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()]
-        groups += parts
-        chunks += [int(sp_chunk[j])] * len(parts)
-        joint += [j in splits] * len(parts)
-    count = np.array([len(g) for g in groups], np.int64)
-    heads = np.zeros(len(groups), np.int64)
-    np.cumsum(count[:-1], out=heads[1:])
-    return (np.array([x for g in groups for x in g], np.int64), heads, np.array(chunks, np.int64), count,
-            np.array(joint, bool))
-
-
-def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
-    """(request, chunk) pairs that overlap, for keys whose chunks are not split along one dimension."""
-    out_q, out_c = [], []
-    indexes: dict[int, tuple] = {}
-    for q in reqs.tolist():
-        k = int(q_key[q])
-        ix = indexes.get(k)
-        if ix is None:
-            a, b = int(cstart[k]), int(cstart[k + 1])
-            live = [c for c in range(a, b) if c_live[c]]
-            boxes = [(tuple(s_off[c].tolist()), tuple(s_size[c].tolist())) for c in live]
-            ix = indexes[k] = (live, boxes, _ChunkIndex([_Box(o, s) for o, s in boxes]))
-        live, boxes, index = ix
-        qo, qs = tuple(q_off[q].tolist()), tuple(q_size[q].tolist())
-        for ci in index.candidates(qo, qs):
-            if intersect(boxes[ci][0], boxes[ci][1], qo, qs) is not None:
-                out_q.append(q)
-                out_c.append(live[ci])
-    return np.array(out_q, np.int64), np.array(out_c, np.int64)
-
-
-class _Box:
-    __slots__ = ("offsets", "sizes")
-
-    def __init__(self, offsets, sizes):
-        self.offsets, self.sizes = offsets, sizes
