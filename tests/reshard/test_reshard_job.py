@@ -25,7 +25,7 @@ import pytest
 import raydcp
 from raydcp.errors import CheckpointError
 from raydcp.reshard import ReshardOptions, ThreadExecutor, reshard_with
-from tests.integration.test_reshard import assert_resharded, reference_state, save_as_ranks
+from tests.reshard.test_reshard import assert_resharded, reference_state, save_as_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from raydcp import CheckpointError, Shard
 from raydcp.state import flatten_state
 
-from .layouts import chunk_bounds
+from raydcp.planner.layouts import chunk_bounds
 
 
 def test_nested_dicts_lists_and_tuples_flatten_to_dotted_fqns():

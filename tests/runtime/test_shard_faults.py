@@ -16,7 +16,7 @@ pytestmark = pytest.mark.ray
 
 TIMEOUT_S = 3.0
 # Bounds on whole operations: the timeout plus starting the operation's coordinator actor, which
-# takes seconds on a loaded machine (tests/ray/test_transport.py times the timeout itself closely).
+# takes seconds on a loaded machine (tests/transport/test_transport.py times the timeout itself closely).
 OPERATION_SLACK_S = 20.0
 
 

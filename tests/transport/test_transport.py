@@ -12,7 +12,7 @@ import torch
 from raydcp.errors import CheckpointError
 from raydcp.group import Group
 
-from ._ranks import RankActor, add_rank_sum, boom, gather_all, shm_mapping
+from tests.runtime._ranks import RankActor, add_rank_sum, boom, gather_all, shm_mapping
 
 pytestmark = pytest.mark.ray
 

@@ -1,7 +1,7 @@
 """raydcp.train in real TorchTrainer runs: FSDP2 on CPU workers (gloo), on the session's Ray instance.
 
 The training function is jobs/train_elastic.py's ``train_loop`` (a tiny transformer, a
-global batch of 12 split evenly, a checkpoint every 3 steps). Runs (tests/integration/conftest.py):
+global batch of 12 split evenly, a checkpoint every 3 steps). Runs (tests/train/conftest.py):
 
 - ``reference``: 6 steps on 2 workers, uninterrupted (num_to_keep=1, scored by loss);
 - ``half``: 3 steps on 2 workers, then the same run name restarted on 3 workers: it matches
@@ -11,7 +11,7 @@ global batch of 12 split evenly, a checkpoint every 3 steps). Runs (tests/integr
   resumes from the emergency checkpoint and ends bitwise equal to the reference.
 
 The resume on 4 workers is the elastic scale-up through an added node, in
-tests/integration/test_train_scaleup.py (compared with the same reference).
+tests/train/test_train_scaleup.py (compared with the same reference).
 """
 from __future__ import annotations
 
