@@ -10,8 +10,8 @@ raydcp, timed step by step (the coordinator's whole job for one save and one loa
                  ranks' checksums as arrays) -> one ChunkTable (columns) per tensor. Also timed,
                  outside the total: the commit step of engine/protocol.py (tensor_metas), which
                  builds the same tables from the columnar storage records the ranks return
-  encode         raydcp.metadata.encode_metadata(md)          -> bytes per piece
-  decode         raydcp.metadata.decode_metadata(bytes)
+  encode         raydcp.metadata_format.encode_metadata(md)          -> bytes per piece
+  decode         raydcp.metadata_format.decode_metadata(bytes)
   load plan      sources from the metadata + check_requests + raydcp.planner.plan_load (512 ranks)
 torch DCP, on equivalent SavePlans (WriteItems with ChunkStorageMetadata):
   plan_save      DefaultSavePlanner().create_global_plan(plans): dedup + create_default_global_save_plan
@@ -56,7 +56,8 @@ import raydcp.planner as P  # noqa: E402
 from raydcp.codec import itemsize  # noqa: E402
 from raydcp.engine.load import _stored_sources  # noqa: E402  (what the load coordinator runs)
 from raydcp.engine.protocol import StorageRecord, tensor_metas  # noqa: E402  (what the save coordinator's commit runs)
-from raydcp.metadata import Metadata, TensorMeta, decode_metadata, encode_metadata  # noqa: E402
+from raydcp.metadata import Metadata, TensorMeta  # noqa: E402
+from raydcp.metadata_format import decode_metadata, encode_metadata  # noqa: E402
 from raydcp.runtime.coordinator import planning_pages  # noqa: E402  (what the coordinator's actor runs at start)
 from raydcp.transport import decode, encode  # noqa: E402  (how local plans travel to the coordinator)
 

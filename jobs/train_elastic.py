@@ -19,7 +19,7 @@ local two-node-capable Ray cluster:
 
 Run: .venv/bin/python jobs/train_elastic.py [--steps 8] [--pause-at 4] [--verify] [--async-save] [--json]
 
-The training function (:func:`train_loop`) is also what tests/integration runs.
+The training function (:func:`train_loop`) is also what tests/train runs.
 """
 from __future__ import annotations
 

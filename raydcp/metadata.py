@@ -13,7 +13,7 @@ import numpy as np
 from .lazy import LazyMapping
 
 __all__ = ["FORMAT_VERSION", "BLOCK_BYTES", "ChunkMeta", "ChunkTable", "ChunkColumns", "TensorMeta", "TensorMetas",
-           "Metadata", "encode_metadata", "decode_metadata"]
+           "Metadata"]
 
 FORMAT_VERSION = (1, 0)
 
@@ -331,7 +331,3 @@ def _first_use(file: np.ndarray) -> np.ndarray:
     used, first = np.unique(file, return_index=True)
     return used[np.argsort(first, kind="stable")]
 
-
-# The file encoding lives in its own module; these names are part of this module's API.
-from .metadata_format import (MAGIC, _PREAMBLE, _SCHEMA_FIELDS, _envelope, _header,  # noqa: E402
-                              decode_metadata, encode_metadata)

@@ -26,6 +26,7 @@ from .metadata import (BLOCK_BYTES, FORMAT_VERSION, ChunkColumns, ChunkMeta, Chu
                        TensorMetas, _first_use)
 
 MAGIC = b"RAYDCPM\n"
+_INT64_MAX = (1 << 63) - 1
 _PREAMBLE = struct.Struct("<8sIIQI")
 
 _SCHEMA_FIELDS = [
@@ -207,6 +208,7 @@ def _decode_payload(payload: memoryview) -> Metadata:
     specs = [(str(name), str(dtype), tuple(map(int, shape))) for name, dtype, shape in header["tensors"]]
     if len({s[0] for s in specs}) != len(specs):
         raise CheckpointError("a tensor is listed twice in the header")
+    _check_shapes(specs)
     files = [str(f) for f in header["files"]]
     tensors = _decode_chunks(table, specs, files)
     return Metadata(
@@ -217,6 +219,38 @@ def _decode_payload(payload: memoryview) -> Metadata:
         values={k: decode_value(v) for k, v in header["values"].items()},
         extra={k: decode_value(v) for k, v in header.get("extra", {}).items()},
     )
+
+
+def _check_shapes(specs: list) -> None:
+    """Every tensor's dimensions are non-negative and its size in bytes fits in an int64, so that
+    no later size computation (elements, bytes, offsets) can overflow. Array operations, with an
+    exact check in Python only for the tensors whose size comes near the limit."""
+    k = len(specs)
+    if not k:
+        return
+    ndim = np.fromiter((len(s[2]) for s in specs), np.int64, k)
+    try:
+        flat = np.fromiter(chain.from_iterable(s[2] for s in specs), np.int64, int(ndim.sum()))
+    except OverflowError:
+        flat = None
+    if flat is not None:
+        row = np.repeat(np.arange(k), ndim)
+        negative = np.flatnonzero(np.bincount(row[flat < 0], minlength=k))
+        # a float estimate of each tensor's bytes: exact enough to clear every tensor far from 2**63
+        est = np.ones(k)
+        np.multiply.at(est, row, flat.astype(np.float64))
+        est *= np.fromiter((itemsize(s[1]) for s in specs), np.float64, k)
+        suspect = np.flatnonzero(est >= 2.0 ** 61).tolist()
+    else:
+        negative, suspect = np.zeros(0, np.int64), list(range(k))
+    for t in [*negative.tolist(), *suspect]:
+        name, dtype, shape = specs[t]
+        if any(d < 0 for d in shape):
+            raise CheckpointDamagedError(f"tensor {name!r} has a negative dimension in its shape {list(shape)}")
+        nbytes = _numel(shape) * itemsize(dtype)
+        if nbytes >= 1 << 63 or any(d >= 1 << 63 for d in shape):
+            raise CheckpointDamagedError(f"tensor {name!r} of shape {list(shape)} and dtype {dtype} would take {nbytes} "
+                                  f"bytes, more than a 64-bit size can hold")
 
 
 def _one(col: pa.ChunkedArray):
@@ -282,7 +316,7 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         numel = np.ones(n, np.int64)
         for d in range(nd):
             o, s, e = o2[:, d], s2[:, d], extent[:, d]
-            bad |= (o < 0) | (s < 0) | (o > e) | (s > e) | (o + s > e)
+            bad |= (o < 0) | (s < 0) | (o > e) | (s > e - o)  # e - o: no int64 overflow, unlike o + s
             numel *= s
         blocks = np.where(nbytes > BLOCK_BYTES, -(-nbytes // BLOCK_BYTES), 0)
         bad |= (numel * isz[tcol] != nbytes) | (np.diff(bb) != blocks)
@@ -291,7 +325,7 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         row_of = np.repeat(np.arange(n), nd_row)
         dim_of = np.arange(len(ov)) - ob[:-1][row_of]
         extent = shape_flat[shape_start[tcol][row_of] + dim_of]
-        bad_elem = (ov < 0) | (sv < 0) | (ov > extent) | (sv > extent) | (ov + sv > extent)
+        bad_elem = (ov < 0) | (sv < 0) | (ov > extent) | (sv > extent - ov)
         bad |= np.bincount(row_of[bad_elem], minlength=n).astype(bool)
     if not uniform and not bad.any():
         dmax = int(ndim.max()) if k else 0
@@ -300,11 +334,14 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         numel = padded.prod(axis=1)
         blocks = np.where(nbytes > BLOCK_BYTES, -(-nbytes // BLOCK_BYTES), 0)
         bad |= (numel * isz[tcol] != nbytes) | (np.diff(bb) != blocks)
+    # the chunk's bytes inside int64 (the product above cannot wrap: a chunk inside its tensor is
+    # no larger than the tensor, whose size _check_shapes bounded)
+    bad |= (nbytes < 0) | (byte_off > _INT64_MAX - np.maximum(nbytes, 0))
     if bad.any():
         i = int(np.argmax(bad))
-        name, _, shape = specs[int(tcol[i])]
-        offs = tuple(ov[ob[i]:ob[i + 1]].tolist())
-        raise CheckpointError(f"chunk of {name!r} at {offs} does not fit the tensor's shape {shape}")
+        name, dtype, shape = specs[int(tcol[i])]
+        _chunk_error(name, dtype, shape, tuple(ov[ob[i]:ob[i + 1]].tolist()), tuple(sv[sb[i]:sb[i + 1]].tolist()),
+                     int(byte_off[i]), int(nbytes[i]))
 
     rows = np.searchsorted(tcol, np.arange(k + 1))
     if uniform:
@@ -338,12 +375,26 @@ def _decode_rows(table: pa.Table, specs: list, files: list[str]) -> dict[str, Te
         for c in cs:
             if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
                 o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, shape)
-            ) or c.nbytes != _numel(c.sizes) * isz or c.byte_offset < 0 or len(c.block_checksums) != (
-                -(-c.nbytes // BLOCK_BYTES) if c.nbytes > BLOCK_BYTES else 0
-            ):
-                raise CheckpointError(f"chunk of {name!r} at {c.offsets} does not fit the tensor's shape {shape}")
+            ) or c.nbytes != _numel(c.sizes) * isz or c.byte_offset < 0 or c.byte_offset + c.nbytes > _INT64_MAX \
+                    or len(c.block_checksums) != (-(-c.nbytes // BLOCK_BYTES) if c.nbytes > BLOCK_BYTES else 0):
+                _chunk_error(name, dtype, shape, c.offsets, c.sizes, c.byte_offset, c.nbytes)
         tensors[name] = TensorMeta(dtype, shape, tuple(cs))
     return tensors
+
+
+def _chunk_error(name: str, dtype: str, shape: tuple, offsets: tuple, sizes: tuple, byte_offset: int,
+                 nbytes: int):
+    """Raise the CheckpointError that says what is wrong with one chunk of tensor ``name``."""
+    where = f"chunk of {name!r} at {offsets}"
+    if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
+        raise CheckpointDamagedError(f"{where} does not fit the tensor's shape {shape}")
+    want = _numel(sizes) * itemsize(dtype)
+    if nbytes != want:
+        raise CheckpointDamagedError(f"{where} records {nbytes} bytes, but its sizes {list(sizes)} of {dtype} take {want}")
+    if byte_offset < 0 or byte_offset + nbytes > _INT64_MAX:
+        raise CheckpointDamagedError(f"{where} has a byte range {byte_offset}+{nbytes} outside any file")
+    raise CheckpointDamagedError(f"{where} does not list one checksum per {BLOCK_BYTES}-byte block")
 
 
 def _list_column(col: pa.ChunkedArray) -> list[tuple[int, ...]]:

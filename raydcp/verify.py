@@ -15,8 +15,9 @@ import crc32c as _crc32c
 
 from .codec import checksum
 from .errors import CheckpointError
-from .metadata import ChunkMeta, Metadata, decode_metadata
-from .planner.save import _tiling_problems
+from .metadata import ChunkMeta, Metadata
+from .metadata_format import decode_metadata
+from .planner.tiling import tiling_problems
 from .storage import METADATA_NAME, CheckpointStorage
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
@@ -148,8 +149,9 @@ def verify_checkpoint(checkpoint_id, storage_options: dict | None = None, *,
     report.metadata = md
 
     by_file: dict[str, list[tuple[str, ChunkMeta]]] = {}
+    tiling = tiling_problems(md.tensors)
     for key, tm in md.tensors.items():
-        for msg in _tiling_problems(key, tm.shape, [(c.offsets, c.sizes) for c in tm.chunks]):
+        for msg in tiling.get(key, ()):
             report.problems.append(Problem("tiling", msg.removeprefix(f"{key}: "), key=key))
         for c in tm.chunks:
             if c.nbytes:

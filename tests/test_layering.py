@@ -101,7 +101,6 @@ def test_the_engine_group_planner_storage_and_pipeline_never_import_the_runtime_
 # Known and scheduled: raydcp.metadata re-exports the codec of raydcp.metadata_format (an import at
 # the bottom of metadata.py), which imports the model from raydcp.metadata. Issue 14 item 5 drops
 # the re-export; delete this entry then. Any other cycle fails.
-KNOWN_CYCLES = {frozenset({"raydcp.metadata", "raydcp.metadata_format"})}
 
 
 def test_no_import_cycle_among_raydcp_modules():
@@ -123,7 +122,6 @@ def test_no_import_cycle_among_raydcp_modules():
     for m in sorted(graph):
         if m not in state:
             dfs(m, [])
-    cycles = [c for c in cycles if frozenset(c) not in KNOWN_CYCLES]
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 

@@ -26,7 +26,7 @@ from ..engine.load import load_with
 from ..errors import CheckpointError
 from ..metadata import Metadata, TensorMeta
 from ..planner import numel
-from ..planner.save import _tiling_problems
+from ..planner.tiling import piece_problems
 from ..transport import LocalTransport
 from .keys import KeySelection
 
@@ -134,7 +134,7 @@ class TensorSource:
             raise CheckpointError(f"{self.checkpoint_id}: no tensor named {', '.join(missing[:5])} in the checkpoint")
         # raydcp.load fills only what the stored pieces cover: refuse pieces that leave a gap
         # rather than hand on the uninitialized memory of torch.empty
-        gaps = [p for k in keys for p in _tiling_problems(k, tensors[k].shape, [(c.offsets, c.sizes)
+        gaps = [p for k in keys for p in piece_problems(k, tensors[k].shape, [(c.offsets, c.sizes)
                                                                                  for c in tensors[k].chunks])]
         if gaps:
             raise CheckpointError(f"{self.checkpoint_id}: the metadata's pieces do not form whole tensors "

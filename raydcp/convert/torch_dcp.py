@@ -30,7 +30,7 @@ import torch
 from ..codec import dtype_from_name, dtype_name, is_plain_value
 from ..engine import load, save
 from ..errors import CheckpointError
-from ..planner.save import _tiling_problems
+from ..planner.tiling import piece_problems
 from ..storage import CheckpointStorage
 from ._io import DEFAULT_BUDGET, ConvertResult, Destination, Progress, TensorSource
 from ..state import Shard
@@ -93,7 +93,7 @@ def to_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: bo
 
     source = TensorSource(src, storage_options, budget_bytes=budget_bytes, select=select)
     md = source.metadata
-    gaps = [p for k in source.keys for p in _tiling_problems(k, md.tensors[k].shape,
+    gaps = [p for k in source.keys for p in piece_problems(k, md.tensors[k].shape,
                                                              [(c.offsets, c.sizes) for c in md.tensors[k].chunks])]
     if gaps:
         raise CheckpointError(f"{source.checkpoint_id}: the metadata's pieces do not form whole tensors "
@@ -330,7 +330,7 @@ def _read_tensor(storage: CheckpointStorage, fqn: str, entry, records: dict) -> 
     shape, dtype = tuple(entry.size), entry.properties.dtype
     dtype_name(dtype)  # a CheckpointError naming the dtype if raydcp cannot store it
     boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
-    problems = _tiling_problems(fqn, shape, boxes)
+    problems = piece_problems(fqn, shape, boxes)
     if problems:
         raise CheckpointError(f"{storage.url}: the DCP checkpoint's chunks do not form whole tensors: {problems[0]}")
     out = None

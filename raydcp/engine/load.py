@@ -9,10 +9,11 @@ from typing import Any, Sequence
 
 from ..codec import itemsize
 from ..errors import CheckpointError, RankFailure
-from ..metadata import Metadata, decode_metadata
-from ..planner import (LocalLoadPlan, LocalSavePlan, RankLoadPlan, ReadItem, SourceChunk, TensorSpec,
+from ..metadata import Metadata
+from ..metadata_format import decode_metadata
+from ..planner import (LocalLoadPlan, RankLoadPlan, ReadItem, TensorSpec,
                        check_requests, plan_load, stored_sources)
-from ..planner.save import _agree_on_tensors, _agree_on_values, _tiling_problems
+from ..planner.transfer import plan_transfer
 from ..state import FlatState, flatten_state
 from ..state_modules import legacy_optimizer_renames
 from ..storage import CheckpointStorage
@@ -182,27 +183,6 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     return LoadStats(nread, plan.bytes_needed, time.perf_counter() - t0, skipped or Skipped())
 
 
-def _reduce_transfer_plan(pairs: Sequence[tuple[LocalSavePlan | None, LocalLoadPlan | None]]):
-    sources = [p[0] for p in pairs if p[0] is not None]
-    tensors = _agree_on_tensors(sources)
-    values = _agree_on_values(sources, tensors)
-    chunks: dict[str, dict[tuple, SourceChunk]] = {}
-    for sp in sources:
-        for it in sp.items:  # a rank holds at most one piece per key: holders serve it by key
-            box = (it.offsets, it.sizes)
-            prev = chunks.setdefault(it.key, {}).get(box)
-            holders = (prev.holders if prev else ()) + (sp.rank,)
-            chunks[it.key][box] = SourceChunk(it.key, tensors[it.key].dtype, it.offsets, it.sizes,
-                                              nbytes=it.nbytes, holders=holders)
-    problems = [p for k, s in tensors.items() for p in _tiling_problems(k, s.shape, list(chunks.get(k, {})))]
-    if problems:
-        raise CheckpointError("the source group's pieces do not form whole tensors:\n  " + "\n  ".join(problems))
-    dests = [p[1] if p[1] is not None else LocalLoadPlan(r, {}, (), (), strict=False) for r, p in enumerate(pairs)]
-    check_requests(tensors, values, dests)
-    itemsizes = {k: itemsize(s.dtype) for k, s in tensors.items()}
-    return plan_load({k: list(v.values()) for k, v in chunks.items()}, dests, values, itemsizes)
-
-
 def transfer_with(transport: Transport, source_state: dict | None, dest_state: dict | None, *,
                   strict: bool = True) -> LoadStats:
     """Move a live group's state to another layout through the transport, no storage round trip.
@@ -223,7 +203,7 @@ def transfer_with(transport: Transport, source_state: dict | None, dest_state: d
         local: Any = (staged.plan if staged else None, dest)
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
-    plan = transport.reduce_scatter("transfer: plan", local, _reduce_transfer_plan)
+    plan = transport.reduce_scatter("transfer: plan", local, plan_transfer)
     reader = LiveChunkReader(lambda key: src_flat.tensors[key].tensor)
     _execute(transport, plan, flat, reader)
     return LoadStats(0, plan.bytes_needed, time.perf_counter() - t0)

@@ -32,7 +32,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from ..errors import CheckpointError, StorageError
-from ..metadata import ChunkColumns, Metadata, TensorMetas, encode_metadata
+from ..metadata import ChunkColumns, Metadata, TensorMetas
+from ..metadata_format import encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
 from ..storage import CheckpointStorage
 from ..storage._common import is_transient

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ..errors import CheckpointError, RankFailure
-from ..metadata import ChunkMeta, Metadata, TensorMeta, encode_metadata
+from ..metadata import ChunkMeta, Metadata, TensorMeta
+from ..metadata_format import encode_metadata
 from ..planner import SavePlanOptions, TensorSpec
-from ..planner.save import _tiling_problems
+from ..planner.tiling import piece_problems
 from ..state import flatten_state
 from ..storage import CheckpointStorage
 from ..transport import Transport
@@ -151,7 +152,7 @@ def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Seq
             absolute = tuple(b + o for b, o in zip(base, offsets))
             chunks[key].append(ChunkMeta(absolute, sizes, file, off, nbytes, crc, blocks))
     for key, spec in tensors.items():
-        problems.extend(_tiling_problems(key, spec.shape, [(c.offsets, c.sizes) for c in chunks[key]]))
+        problems.extend(piece_problems(key, spec.shape, [(c.offsets, c.sizes) for c in chunks[key]]))
     if problems:
         raise CheckpointError(f"commit_rounds {checkpoint_id}: the rounds do not form the checkpoint, nothing "
                               "committed:\n  " + "\n  ".join(problems[:20]))

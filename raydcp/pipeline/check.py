@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError
-from ..metadata import decode_metadata
+from ..metadata_format import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage
 from .records import read_record
 from .status import StatusRecord, freshest

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, StateMismatchError
-from ..metadata import decode_metadata
+from ..metadata_format import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage, list_committed
 from .config import PipelineConfig, Runner, ThreadRunner
 from .policy import Candidate

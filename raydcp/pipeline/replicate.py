@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 
 from ..codec import checksum
 from ..errors import CheckpointDamagedError, CheckpointError, StorageError
-from ..metadata import Metadata, decode_metadata
+from ..metadata import Metadata
+from ..metadata_format import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage
 from ..storage._common import is_local, is_transient
 from ..storage._local import fsync_dir

@@ -21,8 +21,10 @@ from typing import Any, Mapping, Sequence
 from ..errors import CheckpointDamagedError, CheckpointError, StateMismatchError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs, numel
-from .load_arrays import (SPLIT_MIN_BYTES, _ChunkIndex, _names, _plan_load_columns, _shared_columns,  # noqa: F401
-                          _splits, _StoredSources)
+from .tiling import require_tiling
+from .chunk_index import _ChunkIndex
+from .joint_reads import SPLIT_MIN_BYTES, _splits
+from .load_arrays import _names, _plan_load_columns, _shared_columns, _StoredSources  # noqa: F401
 from .types import ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, SourceChunk, StoredChunks, TensorSpec
 
 __all__ = ["plan_load", "check_requests", "stored_sources", "SPLIT_MIN_BYTES"]
@@ -112,7 +114,17 @@ def _spec_mismatches(available: Mapping[str, TensorSpec], local_plans: Sequence[
 def stored_sources(md) -> Mapping[str, StoredChunks]:
     """The source chunks of a checkpoint's metadata, as columns (no per-chunk objects). Decoded
     metadata gives a mapping over its shared chunk columns: the planner takes them whole, and
-    the per-tensor StoredChunks are built only if a caller looks one up."""
+    the per-tensor StoredChunks are built only if a caller looks one up.
+
+    The chunks must tile their tensors exactly (CheckpointError otherwise): a load fills only what
+    the chunks cover, so a gap left by an overlap would keep the destination's old values.
+    """
+    require_tiling(md.tensors)
+    return _sources(md)
+
+
+def _sources(md) -> Mapping[str, StoredChunks]:
+    """:func:`stored_sources` without the tiling check."""
     if isinstance(getattr(md.tensors, "columns", None), ChunkColumns):
         return _StoredSources(md.tensors)
     return {key: StoredChunks(key, t.dtype, ChunkTable.from_chunks(t.chunks, len(t.shape)))

@@ -2,36 +2,23 @@
 
 The chunks a request overlaps are found by a binary search where a tensor's chunks are split
 along one dimension, box by box otherwise; readers are assigned on arrays, and a rank's reads
-come out as a :class:`ReadTable`. Also the rule, shared with the object path, for splitting a
-stored chunk between the ranks that need it (joint reads).
+come out as a :class:`ReadTable`. Joint reads (a large chunk read part by part by the ranks
+that need the parts) are :mod:`.joint_reads`; the box-by-box search is :mod:`.chunk_index`.
 """
 from __future__ import annotations
 
-import bisect
-from typing import Mapping, Sequence
+from types import SimpleNamespace
 
 import numpy as np
 
 from ..errors import CheckpointDamagedError
 from ..metadata import ChunkTable
-from .boxes import byte_runs, intersect, merge_runs
+from .boxes import byte_runs, merge_runs
 from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_arrays
 from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _stack_items, _take
-from .types import RankLoadPlan, ReadTable, SourceChunk, StoredChunks
-
-# stored chunks from this size on are read part by part by the ranks that need the parts
-SPLIT_MIN_BYTES = 1 << 20
-MAX_JOINT_RUNS = 16  # byte runs one rank may read of a split chunk
-
-
-def _splits(rank_runs: Mapping[int, list], nbytes: int) -> bool:
-    """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks and
-    together cover the whole chunk (so every checksum block is verified by its readers)."""
-    merged = [merge_runs(runs) for runs in rank_runs.values()]
-    if any(len(runs) > MAX_JOINT_RUNS for runs in merged):
-        return False  # interleaved parts (a column split): one reader, fewer and larger reads
-    return sum(e - s for runs in merged for s, e in runs) == nbytes and \
-        merge_runs([r for runs in merged for r in runs]) == [(0, nbytes)]
+from .chunk_index import _general_pairs
+from .joint_reads import _split_large_chunks
+from .types import RankLoadPlan, ReadTable, StoredChunks
 
 
 def _names(keys: list[str], limit: int = 20) -> str:
@@ -39,32 +26,16 @@ def _names(keys: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-class _ChunkIndex:
-    """The chunks of one tensor sorted along the dimension they are split most along, so the
-    chunks a box may overlap are found by bisection instead of a scan of every chunk."""
-
-    def __init__(self, chunks: Sequence[SourceChunk]):
-        self.chunks = chunks
-        nd = len(chunks[0].offsets) if chunks else 0
-        self.dim = max(range(nd), key=lambda d: len({c.offsets[d] for c in chunks})) if nd else -1
-        if self.dim < 0:
-            self.order, self.starts, self.span = list(range(len(chunks))), [], 0
-            return
-        d = self.dim
-        self.order = sorted(range(len(chunks)), key=lambda i: chunks[i].offsets[d])
-        self.starts = [chunks[i].offsets[d] for i in self.order]
-        self.span = max((c.sizes[d] for c in chunks), default=0)
-
-    def candidates(self, offsets, sizes):
-        if self.dim < 0:
-            return self.order
-        lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
-        first = bisect.bisect_left(self.starts, lo - self.span + 1)
-        last = bisect.bisect_left(self.starts, hi)
-        return self.order[first:last]
-
-
 def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoadPlan] | None:
+    """The array path of :func:`raydcp.planner.plan_load`, or None where the general path must decide.
+
+    Phases, each a function over the shared columns (:class:`_Arrays`): the source chunks
+    (:func:`_source_arrays`) and the requests (:func:`_request_arrays`) as arrays; the pairs of
+    request and chunk that overlap (:func:`_overlapping_pairs`) and the part each delivers
+    (:func:`_needed_parts`, which checks the parts cover every request exactly); one reader per
+    needed chunk (:func:`_assign_readers`); each rank's reads in order (:func:`_order_reads`);
+    and the per-rank plans (:func:`_read_tables`).
+    """
     world = len(local_plans)
     lcols = [getattr(lp, "columns", None) for lp in local_plans]
     if any(c is None for c in lcols):
@@ -73,7 +44,29 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     nkeys = len(keys)
     kid = {key: i for i, key in enumerate(keys)}
 
-    # ---- the source chunks, every key's in one set of arrays
+    a = _Arrays(sources=sources, local_plans=local_plans, values=values, itemsizes=itemsizes, world=world,
+                lcols=lcols, keys=keys, nkeys=nkeys, kid=kid)
+    if not (_source_arrays(a) and _request_arrays(a)):
+        return None
+    _overlapping_pairs(a)
+    _needed_parts(a)
+    _assign_readers(a)
+    _order_reads(a)
+    return _read_tables(a)
+
+
+class _Arrays(SimpleNamespace):
+    """The columns the phases of :func:`_plan_load_columns` share: each phase reads the names it
+    needs and adds those it makes (``s_*``: source chunks, ``q_*``: requests, ``p_*``: pairs of
+    request and chunk, ``sp_*``: the chunks several ranks need, grouped)."""
+
+
+def _source_arrays(a: _Arrays) -> bool:
+    """The source chunks, every key's in one set of arrays: decoded metadata's columns taken
+    whole, other sources (tables of several metadata, live pieces) copied table by table. Also
+    the common width of the boxes, each chunk's key and each key's item size. False where the
+    general path must decide (live pieces of mixed dimensions, tables it cannot take)."""
+    itemsizes, keys, lcols, nkeys, sources = a.itemsizes, a.keys, a.lcols, a.nkeys, a.sources
     tables: list | None = None  # per key: a ChunkTable (stored) or a list of SourceChunk
     stored = True
     if isinstance(sources, _StoredSources):  # decoded metadata: its columns, as they are
@@ -99,7 +92,7 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
                 dtypes.append(objs[0].dtype if objs else "")
                 nds = {len(c.offsets) for c in objs} | {len(c.sizes) for c in objs}
                 if len(nds) > 1:
-                    return None
+                    return False
                 if objs:
                     nd_key[i] = nds.pop()
         shared = _shared_columns(tables, nd_key) if stored and nkeys else None
@@ -114,11 +107,20 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         s_off, s_size, s_nbytes, ext, files, s_file, s_boff, s_crc, s_bstart, s_blen, block_arrays = \
             _table_arrays(tables, stored, counts, cstart, nd_key, width)
         if s_off is None:
-            return None
+            return False
     s_key = np.repeat(np.arange(nkeys), counts)
     isz = np.array([itemsizes[key] for key in keys], np.int64)
+    a.block_arrays, a.cstart, a.dtypes, a.ext, a.files, a.isz = block_arrays, cstart, dtypes, ext, files, isz
+    a.nchunks, a.nd_key, a.s_blen, a.s_boff, a.s_bstart, a.s_crc = nchunks, nd_key, s_blen, s_boff, s_bstart, s_crc
+    a.s_file, a.s_key, a.s_nbytes, a.s_off, a.s_size, a.stored = s_file, s_key, s_nbytes, s_off, s_size, stored
+    a.tables, a.width = tables, width
+    return True
 
-    # ---- the requests of every rank
+
+def _request_arrays(a: _Arrays) -> bool:
+    """The requests of every rank, concatenated: key, box, rank, index in the rank's plan and
+    element count. False where a request disagrees with its key's dimensions or is malformed."""
+    kid, lcols, nd_key, width, world = a.kid, a.lcols, a.nd_key, a.width, a.world
     q_key, q_off, q_size, q_nd, qstart = _stack_items(lcols, kid, width)
     nq = len(q_key)
     qcount = np.diff(qstart)
@@ -127,12 +129,22 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     known = q_key >= 0
     kk = q_key[known]
     if ((q_nd[known] != nd_key[kk]) & (nd_key[kk] >= 0)).any() or (q_nd < 0).any() or (q_size < 0).any():
-        return None
+        return False
     q_numel = _rows_prod(q_size)
+    a.kk, a.known, a.nq, a.q_item, a.q_key, a.q_numel = kk, known, nq, q_item, q_key, q_numel
+    a.q_off, a.q_rank, a.q_size = q_off, q_rank, q_size
+    return True
 
-    # ---- which chunks each request overlaps
-    # per chunk: live (not empty), how many dimensions it spans whole, the first one it does not
-    # (a dimension at a time, into buffers allocated once: fresh memory costs page faults)
+
+def _overlapping_pairs(a: _Arrays) -> None:
+    """Which chunks each request overlaps, as (request, chunk) pairs ``p_q``, ``p_c``.
+
+    Keys whose chunks are split along one dimension (the usual case) are laid on one line, key
+    after key, and found by two binary searches per request; the others ("general": chunks split
+    along several dimensions, or overlapping on the line) box by box (:func:`_general_pairs`)."""
+    cstart, ext, kk, known, nchunks, nkeys = a.cstart, a.ext, a.kk, a.known, a.nchunks, a.nkeys
+    nq, q_key, q_off, q_size, s_key, s_off = a.nq, a.q_key, a.q_off, a.q_size, a.s_key, a.s_off
+    s_size, width = a.s_size, a.width
     c_live = np.ones(nchunks, bool)
     nfull = np.zeros(nchunks, np.int8)
     not_full = np.full(nchunks, -1, np.int8)
@@ -217,10 +229,19 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     if len(gen_q):
         gq, gc = _general_pairs(gen_q, q_key, q_off, q_size, s_off, s_size, cstart, c_live)
         p_q, p_c = np.concatenate([p_q, gq]), np.concatenate([p_c, gc])
+    a.all_q1, a.d0, a.d1, a.gen_q, a.k1, a.n_c = all_q1, d0, d1, gen_q, k1, n_c
+    a.p_c, a.p_q, a.q1, a.q1_off, a.q1_size = p_c, p_q, q1, q1_off, q1_size
 
-    # ---- the part of the chunk each request needs. Where every request of a one-dimensional key
-    # lies inside its tensor in the other dimensions, the part differs from the request only along
-    # the split dimension: keep that (1-D arrays) and build the boxes once, in the output order.
+
+def _needed_parts(a: _Arrays) -> None:
+    """The part of its chunk each pair delivers (``boxes``), its element and byte counts; and
+    the check that the parts cover every request exactly (a CheckpointError naming the keys).
+    ``whole`` where every part is its whole chunk (deliveries then need no boxes of their own)."""
+    all_q1, d0, d1, ext, gen_q, isz = a.all_q1, a.d0, a.d1, a.ext, a.gen_q, a.isz
+    k1, keys, known, n_c, nq, p_c = a.k1, a.keys, a.known, a.n_c, a.nq, a.p_c
+    p_q, q1, q1_off, q1_size, q_key, q_numel = a.p_q, a.q1, a.q1_off, a.q1_size, a.q_key, a.q_numel
+    q_off, q_rank, q_size, s_key, s_off, s_size = a.q_off, a.q_rank, a.q_size, a.s_key, a.s_off, a.s_size
+    width, = a.width,
     other_ok = np.ones(len(q1), bool)
     other_full = np.ones(len(q1), bool)
     ext_e, t = np.empty(len(q1), np.int64), np.empty(len(q1), np.int64)
@@ -288,9 +309,20 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
             f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
     p_rank = q_rank[p_q]
     p_bytes = p_numel * isz[s_key[p_c]]
+    a.boxes, a.p_bytes, a.p_c, a.p_numel, a.p_q, a.p_rank = boxes, p_bytes, p_c, p_numel, p_q, p_rank
+    a.whole, = whole,
 
-    # ---- one reader per needed chunk. A chunk one request needs (the common case) is read by the
-    # rank that needs it; the others ("special": several deliveries, or a live chunk) below.
+
+def _assign_readers(a: _Arrays) -> None:
+    """One reader per needed chunk, and the bytes each rank reads, needs and receives.
+
+    A chunk one request needs (the common case) is read by the rank that needs it; the others
+    ("special": several deliveries, or a live chunk) are grouped by chunk, large stored chunks
+    needed in disjoint parts are split into joint reads (:func:`_split_large_chunks`), and the
+    rest go largest first to the rank they cost least."""
+    boxes, cstart, isz, nchunks, nd_key, p_bytes = a.boxes, a.cstart, a.isz, a.nchunks, a.nd_key, a.p_bytes
+    p_c, p_numel, p_rank, s_key, s_nbytes, s_off = a.p_c, a.p_numel, a.p_rank, a.s_key, a.s_nbytes, a.s_off
+    s_size, stored, tables, world = a.s_size, a.stored, a.tables, a.world
     npairs = len(p_c)
     ccount = np.bincount(p_c, minlength=nchunks) if npairs else np.zeros(nchunks, np.int64)
     special = ccount[p_c] > 1
@@ -362,9 +394,20 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         sp_pair_reader = np.repeat(sp_reader, sp_count)
         np.add.at(incoming, p_rank[sp][p_rank[sp] != sp_pair_reader], 1)
     bytes_read = load
+    a.all_single, a.bytes_read, a.incoming, a.needed, a.npairs = all_single, bytes_read, incoming, needed, npairs
+    a.single, = single,
+    a.sp, a.sp_chunk, a.sp_count, a.sp_heads, a.sp_joint = sp, sp_chunk, sp_count, sp_heads, sp_joint
+    a.sp_reader, = sp_reader,
 
-    # ---- each rank's reads: the chunks only it needs (in the order of its requests), then the
-    # special ones it reads (in chunk order); placed by counting, without sorting all the pairs
+
+def _order_reads(a: _Arrays) -> None:
+    """Each rank's reads in order: the chunks only it needs (in the order of its requests), then
+    the special ones it reads (in chunk order); placed by counting, without sorting all the
+    pairs. ``rb`` bounds each rank's reads, ``pb`` each read's deliveries (``pairs``)."""
+    all_single, npairs, p_c, p_rank, single, sp = a.all_single, a.npairs, a.p_c, a.p_rank, a.single, a.sp
+    sp_chunk, sp_count, sp_heads, sp_joint, sp_reader = a.sp_chunk, a.sp_count, a.sp_heads, a.sp_joint, a.sp_reader
+    world, = a.world,
+    rjoint = None  # per read, whether it is a joint one: where some chunk is read in parts
     sr = p_rank if all_single else p_rank[single]
     unsorted = bool(len(sr)) and bool((sr[1:] < sr[:-1]).any())
     in_order = not len(sp) and not unsorted
@@ -408,6 +451,20 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
         src = np.repeat(sp_heads[sp_order] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
         pairs[first] = sp[src]
 
+    a.nreads, a.pairs, a.pb, a.rb, a.rchunk, a.rjoint = nreads, pairs, pb, rb, rchunk, rjoint
+
+
+def _read_tables(a: _Arrays) -> list[RankLoadPlan]:
+    """Every rank's :class:`RankLoadPlan`: its reads as one :class:`ReadTable` (columns sliced
+    from the reads of all ranks), what it receives, its plain values and byte counts."""
+    block_arrays, boxes, bytes_read, cstart, dtypes = a.block_arrays, a.boxes, a.bytes_read, a.cstart, a.dtypes
+    files, = a.files,
+    incoming, keys, local_plans, nd_key, needed = a.incoming, a.keys, a.local_plans, a.nd_key, a.needed
+    nreads, = a.nreads,
+    p_q, p_rank, pairs, pb, q_item, rb = a.p_q, a.p_rank, a.pairs, a.pb, a.q_item, a.rb
+    rchunk, rjoint, s_blen, s_boff, s_bstart, s_crc = a.rchunk, a.rjoint, a.s_blen, a.s_boff, a.s_bstart, a.s_crc
+    s_file, s_key, s_nbytes, s_off, s_size, sp_heads = a.s_file, a.s_key, a.s_nbytes, a.s_off, a.s_size, a.sp_heads
+    stored, tables, values, whole = a.stored, a.tables, a.values, a.whole
     d_lo, d_sz = (None, None) if whole else boxes(pairs)
     cols = {"key": s_key[rchunk], "offsets": _take(s_off, rchunk), "sizes": _take(s_size, rchunk),
             "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
@@ -447,72 +504,3 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
                                   values={k: values[k] for k in lp.values if k in values},
                                   bytes_read=int(bytes_read[r]), bytes_needed=int(needed[r])))
     return plans
-
-
-def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes,
-                        s_off, s_size, s_key, nd_key, isz):
-    """Regroup the pairs of every large stored chunk that several ranks need in disjoint parts
-    covering it: one group per rank (in the order the ranks first appear), so each rank reads its
-    own part. Also returns, per group, whether it is such a part (a joint read)."""
-    cand = np.flatnonzero((s_nbytes[sp_chunk] >= SPLIT_MIN_BYTES) & ~live_chunk[sp_chunk] & (sp_count > 1))
-    splits: dict[int, list[list[int]]] = {}
-    for j in cand.tolist():
-        grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]]
-        ranks = p_rank[grp]
-        if (ranks == ranks[0]).all():
-            continue
-        c = int(sp_chunk[j])
-        k = int(s_key[c])
-        nd = max(int(nd_key[k]), 0)
-        co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
-        glo, gsz = boxes(grp)
-        by_rank: dict[int, list[int]] = {}
-        runs: dict[int, list] = {}
-        for x, r, o, z in zip(grp.tolist(), ranks.tolist(), glo.tolist(), gsz.tolist()):
-            by_rank.setdefault(r, []).append(x)
-            runs.setdefault(r, []).extend(byte_runs(co, cs, tuple(o[:nd]), tuple(z[:nd]), int(isz[k])))
-        if _splits(runs, int(s_nbytes[c])):
-            splits[j] = list(by_rank.values())
-    if not splits:
-        return sp, sp_heads, sp_chunk, sp_count, np.zeros(len(sp_heads), bool)
-    groups: list = []
-    chunks: list[int] = []
-    joint: list[bool] = []
-    for j in range(len(sp_heads)):
-        parts = splits.get(j) or [sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()]
-        groups += parts
-        chunks += [int(sp_chunk[j])] * len(parts)
-        joint += [j in splits] * len(parts)
-    count = np.array([len(g) for g in groups], np.int64)
-    heads = np.zeros(len(groups), np.int64)
-    np.cumsum(count[:-1], out=heads[1:])
-    return (np.array([x for g in groups for x in g], np.int64), heads, np.array(chunks, np.int64), count,
-            np.array(joint, bool))
-
-
-def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
-    """(request, chunk) pairs that overlap, for keys whose chunks are not split along one dimension."""
-    out_q, out_c = [], []
-    indexes: dict[int, tuple] = {}
-    for q in reqs.tolist():
-        k = int(q_key[q])
-        ix = indexes.get(k)
-        if ix is None:
-            a, b = int(cstart[k]), int(cstart[k + 1])
-            live = [c for c in range(a, b) if c_live[c]]
-            boxes = [(tuple(s_off[c].tolist()), tuple(s_size[c].tolist())) for c in live]
-            ix = indexes[k] = (live, boxes, _ChunkIndex([_Box(o, s) for o, s in boxes]))
-        live, boxes, index = ix
-        qo, qs = tuple(q_off[q].tolist()), tuple(q_size[q].tolist())
-        for ci in index.candidates(qo, qs):
-            if intersect(boxes[ci][0], boxes[ci][1], qo, qs) is not None:
-                out_q.append(q)
-                out_c.append(live[ci])
-    return np.array(out_q, np.int64), np.array(out_c, np.int64)
-
-
-class _Box:
-    __slots__ = ("offsets", "sizes")
-
-    def __init__(self, offsets, sizes):
-        self.offsets, self.sizes = offsets, sizes

@@ -10,6 +10,7 @@ import numpy as np
 from ..errors import CheckpointError, StateMismatchError
 from .arrays import _dim_range, _order, _rank_sums, _stack_items
 from .boxes import numel
+from .tiling import piece_problems
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
 
 __all__ = ["SavePlanOptions", "plan_save"]
@@ -35,7 +36,6 @@ def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = S
     sort and a sweep. Tensors split otherwise (grids) are checked box by box, and any plan the
     array path finds wrong is planned again box by box, which names every problem.
     """
-    world = len(local_plans)
     for i, lp in enumerate(local_plans):
         if lp.rank != i:
             raise CheckpointError(f"local plans out of order: position {i} holds rank {lp.rank}")
@@ -70,7 +70,7 @@ def _plan_objects(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
             boxes.setdefault(it.key, {}).setdefault((it.offsets, it.sizes), []).append((lp.rank, idx))
     problems: list[str] = []
     for key, spec in tensors.items():
-        problems.extend(_tiling_problems(key, spec.shape, list(boxes.get(key, {}))))
+        problems.extend(piece_problems(key, spec.shape, list(boxes.get(key, {}))))
         for holders in boxes.get(key, {}).values():
             sums = {local_plans[r].items[i].checksum for r, i in holders} - {None}
             if len(sums) > 1:
@@ -288,7 +288,7 @@ def _general_groups(keys, tensors, gen_keys, pieces, g, off, size, crc, nbytes, 
         boxes[t].setdefault((tuple(o[:nd]), tuple(s[:nd])), []).append(p)
     out = []
     for t, bx in boxes.items():
-        if _tiling_problems(keys[t], tuple(tensors[keys[t]].shape), list(bx)):
+        if piece_problems(keys[t], tuple(tensors[keys[t]].shape), list(bx)):
             return None
         for (o, s), holders in bx.items():
             sums = {int(crc[p]) for p in holders} - {-1}
@@ -364,34 +364,6 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
     return a == b
-
-
-def _tiling_problems(key: str, shape: tuple[int, ...], boxes: list[tuple]) -> list[str]:
-    """Distinct boxes must lie inside the tensor, not overlap, and cover it exactly."""
-    out = []
-    boxes = [b for b in boxes if numel(b[1]) > 0]
-    for off, size in boxes:
-        if len(off) != len(shape) or any(o < 0 or o + n > s for o, n, s in zip(off, size, shape)):
-            out.append(f"{key}: piece at {list(off)} of size {list(size)} lies outside the shape {list(shape)}")
-    if out:
-        return out
-    if not shape:  # a 0-d tensor is one element: exactly one distinct box
-        return [] if len(boxes) == 1 else [f"{key}: 0-d tensor saved by no rank"]
-    # sweep along the dimension the pieces are split most along: only boxes starting before this one ends
-    d = max(range(len(shape)), key=lambda k: len({o[k] for o, _ in boxes}))
-    boxes.sort(key=lambda b: (b[0][d], b[0]))
-    for i, (ao, asz) in enumerate(boxes):
-        end = ao[d] + asz[d]
-        for j in range(i + 1, len(boxes)):
-            bo, bsz = boxes[j]
-            if bo[d] >= end:
-                break
-            if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(ao, asz, bo, bsz)):
-                return [f"{key}: pieces at {list(ao)} (size {list(asz)}) and {list(bo)} (size {list(bsz)}) overlap"]
-    covered = sum(numel(s) for _, s in boxes)
-    if covered != numel(shape):
-        return [f"{key}: pieces cover {covered} of {numel(shape)} elements; some part of the tensor is held by no rank"]
-    return []
 
 
 def _pack_files(save_id: str, rank: int, lp: LocalSavePlan, items: list[int], max_bytes: int):

@@ -6,7 +6,7 @@ consolidating every tensor into one whole piece (``consolidate``). It streams: t
 cut into *rounds* whose pieces fit ``memory_budget`` bytes per process, and each round is loaded
 and written before the next one starts (:mod:`raydcp.engine.rounds` commits them as one checkpoint).
 
-Layouts (the same as ``raydcp.ShardGroup``'s): ``dim0`` splits dimension 0 into ``torch.chunk``
+Layouts (:mod:`raydcp.planner.layouts`, the same as ``raydcp.ShardGroup``'s): ``dim0`` splits dimension 0 into ``torch.chunk``
 pieces (trailing ranks may hold empty pieces), ``dim1`` the same along dimension 1 (1-D tensors
 along dimension 0), ``replicated`` gives every rank the whole tensor (written once); 0-D tensors
 are replicated. ``consolidate`` gives each tensor, whole, to one rank (balanced by bytes).
@@ -25,11 +25,12 @@ from ..errors import CheckpointError
 from ..metadata import Metadata
 from ..planner import TensorSpec
 from ..planner.boxes import numel
-from ..planner.save import ALIGN, _tiling_problems
-from .args import LAYOUTS
+from ..planner.layouts import LAYOUTS, piece_box
+from ..planner.save import ALIGN
+from ..planner.tiling import require_tiling
 
 __all__ = ["LAYOUTS", "OPTIMIZER_PREFIXES", "ReshardOptions", "Part", "Round", "ReshardPlan", "plan_reshard",
-           "piece_box", "part_box", "dtype_alias"]
+           "part_box", "dtype_alias"]
 
 # the two ways of counting a round's memory: one process holds every rank's pieces (threads),
 # or one process per rank (actors)
@@ -142,19 +143,6 @@ class ReshardPlan:
         return {"source_save_id": self.source_save_id, "options": self.options.identity()}
 
 
-def piece_box(shape: tuple[int, ...], layout: str, rank: int, world_size: int):
-    """``(offsets, sizes)`` of ``rank``'s piece of a tensor of ``shape``, or None for the whole tensor."""
-    if layout == "replicated" or len(shape) == 0:
-        return None
-    d = 1 if layout == "dim1" and len(shape) >= 2 else 0
-    n = shape[d]
-    step = -(-n // world_size)  # torch.chunk's piece size
-    lo = min(rank * step, n)
-    hi = min(lo + step, n)
-    return (tuple(lo if i == d else 0 for i in range(len(shape))),
-            tuple(hi - lo if i == d else s for i, s in enumerate(shape)))
-
-
 def part_box(part: Part, layout: str, rank: int, world_size: int):
     """The box of the tensor that ``rank`` holds of ``part`` (absolute offsets), or None if nothing."""
     p_off, p_size = part.box
@@ -232,11 +220,7 @@ def plan_reshard(md: Metadata, options: ReshardOptions, *, per_process: str = "m
     if per_process not in PER_PROCESS:
         raise CheckpointError(f"per_process must be one of {PER_PROCESS}, got {per_process!r}")
     world, budget, layout = options.world_size, options.memory_budget, options.layout
-    gaps = [p for k, t in md.tensors.items() for p in _tiling_problems(k, t.shape, [(c.offsets, c.sizes)
-                                                                                        for c in t.chunks])]
-    if gaps:
-        raise CheckpointError("the source's metadata does not describe whole tensors (run `raydcp verify`): "
-                              + "; ".join(gaps[:5]))
+    require_tiling(md.tensors, "the source checkpoint")
     select = options.keys
     names = select.names(md.keys())  # source key -> destination key, for the keys kept
     dropped = tuple(k for k in md.keys() if k not in names)

@@ -31,7 +31,6 @@ import uuid
 from typing import Any, Sequence
 
 import ray
-from ray import exceptions as rex
 
 from ..engine.rounds import RoundRecords
 from ..errors import CheckpointError
@@ -40,6 +39,7 @@ from ..reshard import ReshardOptions, ReshardResult, RoundTask, reshard_with, ru
 from ..reshard.rank import release_round_memory, return_freed_memory
 from ..reshard.args import add_reshard_arguments, options_from_args, storage_options_from_args
 from .ray_transport import open_transport
+from .outcomes import gather_outcomes
 
 __all__ = ["RayExecutor", "reshard_on_ray", "build_parser", "main"]
 
@@ -117,59 +117,14 @@ class RayExecutor:
         self._name = f"reshard-{uuid.uuid4().hex[:12]}"
 
     def run(self, task: RoundTask) -> RoundRecords:
-        refs = {a.apply.remote(_rank_round, self._name, r, self.world_size, self.timeout_s, task): r
+        refs = {r: a.apply.remote(_rank_round, self._name, r, self.world_size, self.timeout_s, task)
                 for r, a in enumerate(self.group.actors)}
-        results, errors, dead = self._gather(refs)
-        if errors or dead or len(results) < self.world_size:
-            raise self._error(task, results, errors, dead)
-        return results[0]
-
-    def _gather(self, refs: dict) -> tuple[dict[int, Any], dict[int, str], list[int]]:
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        dead: list[int] = []
-        pending = dict(refs)
-        deadline = None
-        while pending:
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
-            if not ready:
-                break
-            for ref in ready:
-                r = pending.pop(ref)
-                try:
-                    value = ray.get(ref)
-                except rex.RayActorError:
-                    dead.append(r)
-                    continue
-                except rex.RayError as exc:
-                    errors[r] = f"unexpected {type(exc).__name__}: {exc}"
-                    continue
-                if isinstance(value, CheckpointError):
-                    errors[r] = str(value)
-                else:
-                    results[r] = value
-            if dead:  # the round cannot finish: the others would only wait for the dead one to time out
-                break
-            if errors and deadline is None:  # the others fail together with it: collect their words
-                deadline = time.monotonic() + _GRACE_S
-        return results, errors, sorted(dead)
-
-    def _error(self, task: RoundTask, results: dict, errors: dict, dead: list) -> CheckpointError:
-        stuck = sorted(set(range(self.world_size)) - set(results) - set(errors) - set(dead))
-        parts = []
-        by_message: dict[str, list[int]] = {}
-        for r, msg in sorted(errors.items()):
-            by_message.setdefault(msg, []).append(r)
-        parts += [f"on ranks {ranks}: {msg}" for msg, ranks in by_message.items()]
-        if dead:
-            parts.append(f"the actors of ranks {dead} died")
-        if stuck:
-            parts.append(f"ranks {stuck} did not finish")
-        failures = {**errors, **{r: "its actor died" for r in dead}, **{r: "did not finish" for r in stuck}}
-        body = "; ".join(parts)
-        return CheckpointError(f"reshard round {task.round.index + 1} failed {body}; nothing was committed, rerun "
-                               "the job to resume after the last finished round", failures)
+        # a dead actor: the round cannot finish, the others would only wait for it to time out
+        out = gather_outcomes(refs, grace_s=_GRACE_S, stop_on_dead=True)
+        if not out.ok or len(out.results) < self.world_size:
+            raise out.error(f"reshard round {task.round.index + 1}", sep="; ",
+                            then="; nothing was committed, rerun the job to resume after the last finished round")
+        return out.results[0]
 
     def close(self) -> None:
         try:

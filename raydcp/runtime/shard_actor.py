@@ -19,8 +19,9 @@ from ..engine import load_with, save_with, transfer_with
 from ..errors import CheckpointError
 from ..group import Group
 from ..state import Shard
+from ..planner.layouts import Specs
 from ..transport import Transport
-from .layouts import Specs, empty_state
+from .layouts import empty_state
 from .ray_transport import RayTransport
 
 __all__ = ["ShardActor"]

@@ -15,7 +15,7 @@ actors, and of the driver itself for ``full_state_dict``):
 4. ``reshard(M2)``: a new ShardGroup of M2 ranks receives the state from this one
    through the object store (``raydcp.engine.transfer_with``), no storage round trip.
    The new group keeps this group's actors where they already hold the most of
-   their new pieces (``layouts.reuse_ranks``; those bytes are copied within the
+   their new pieces (``planner.layouts.reuse_ranks``; those bytes are copied within the
    actor), so it starts actors only for the ranks it adds, and a 4 -> 6 reshard
    needs 6 GPUs, not 10. Both groups stay usable; an actor ends when the last
    group using it shuts down. ``prepare_reshard(M2)`` starts the actors a later
@@ -36,20 +36,20 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 import warnings
 from typing import Any, Callable
 
 import ray
-from ray import exceptions as rex
 
 from ..engine import read_metadata, transfer_with
-from ..errors import CheckpointError, RanksTimedOutError
+from ..errors import CheckpointError
 from ..group import Group
-from .layouts import check_layout, empty_state, reuse_ranks
+from ..planner.layouts import check_layout, reuse_ranks
+from .layouts import empty_state
 from .members import Host, Member, start_members
 from .ray_transport import RayTransport
+from .outcomes import gather_outcomes
 from .shard_actor import ShardActor
 
 __all__ = ["ShardGroup"]
@@ -102,7 +102,7 @@ class ShardGroup:
 
     Options (keyword-only, checked here): ``num_gpus_per_actor`` (fractions share a
     GPU; 0 for CPU actors), ``layout`` ("dim0", "dim1" or "replicated"; see
-    ``raydcp.runtime.layouts``), ``timeout_s`` (bounds every wait for peers and the
+    ``raydcp.planner.layouts``), ``timeout_s`` (bounds every wait for peers and the
     placement), ``num_cpus_per_actor`` (CPUs reserved per actor, default none).
     """
 
@@ -372,73 +372,20 @@ class ShardGroup:
 
     def _gather(self, what: str, refs: dict, members: dict | None = None, *, local: dict | None = None,
                 note: str = "") -> dict:
-        """Wait for every rank's outcome; raise one CheckpointError naming failed, dead and stuck ranks.
+        """Wait for every rank's outcome (:func:`~raydcp.runtime.outcomes.gather_outcomes`); raise one
+        CheckpointError naming failed, dead and stuck ranks. Stuck ranks become stragglers the next
+        operation waits for; a dead actor breaks every group it serves.
 
         ``members`` maps a rank to the groups its actor serves, where that is not just this group.
         """
-        return self._await(what, refs, members, local=local, note=note)
-
-    def _await(self, what: str, refs: dict, members: dict | None, *, local: dict | None, note: str) -> dict:
         members = members or {}
-        results: dict[int, Any] = {}
-        errors: dict[int, CheckpointError] = {r: e for r, e in (local or {}).items() if e is not None}
-        dead: list[int] = []
-        pending = {ref: r for r, ref in refs.items()}
-        deadline = time.monotonic() + self.timeout_s + _STRAGGLER_GRACE_S if errors else None
-        while pending:
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
-            if not ready:
-                break
-            for ref in ready:
-                r = pending.pop(ref)
-                try:
-                    value = ray.get(ref)
-                except rex.RayActorError:
-                    dead.append(r)
-                    continue
-                except rex.RayError as exc:  # a bug, not a CheckpointError: still name the rank
-                    value = CheckpointError(f"unexpected {type(exc).__name__} on rank {r}: {exc}")
-                if isinstance(value, CheckpointError):
-                    errors[r] = value
-                else:
-                    results[r] = value
-            if (errors or dead) and deadline is None:
-                deadline = time.monotonic() + self.timeout_s + _STRAGGLER_GRACE_S
-        stuck = sorted(pending.values())
-        if not (errors or dead or stuck):
-            return results
-        for ref, r in pending.items():
+        out = gather_outcomes(refs, grace_s=self.timeout_s + _STRAGGLER_GRACE_S, errors=local)
+        if out.ok:
+            return out.results
+        for ref, r in out.pending.items():
             for group in members.get(r, [self]):
                 group._stragglers.append(ref)
-        for r in dead:
+        for r in out.dead:
             for group in members.get(r, [self]):
-                group._broken = group._broken or f"the actors of ranks {sorted(dead)} died during {what}"
-        raise _combined_error(self.name, what, errors, sorted(dead), stuck, note)
-
-
-def _combined_error(name: str, what: str, errors: dict, dead: list, stuck: list, note: str) -> CheckpointError:
-    by_message: dict[str, list[int]] = {}
-    failures: dict[int, BaseException | str] = {}
-    for r in sorted(errors):
-        by_message.setdefault(str(errors[r]), []).append(r)
-        failures.update(errors[r].failures or {r: errors[r]})
-    parts = [f"on ranks {ranks}: {msg}" for msg, ranks in by_message.items()]
-    if dead:
-        parts.append(f"the actors of ranks {dead} died")
-        failures.update({r: "its actor died" for r in dead})
-    if stuck:
-        parts.append(f"ranks {stuck} did not finish")
-        failures.update({r: failures.get(r, "did not finish") for r in stuck})
-    where = f" ({note})" if note else ""
-    if len(parts) == 1:
-        message = f"ShardGroup '{name}' {what} failed {parts[0]}{where}"
-    else:
-        body = "\n".join(f"  {p}" for p in parts)
-        message = f"ShardGroup '{name}' {what} failed{where}:\n{body}"
-    if errors:  # of the type of the lowest failed rank's error
-        return errors[min(errors)].copy(message, failures)
-    if stuck and not dead:
-        return RanksTimedOutError(message, missing_ranks=stuck, failures=failures)
-    return CheckpointError(message, failures)
-
+                group._broken = group._broken or f"the actors of ranks {out.dead} died during {what}"
+        raise out.error(f"ShardGroup '{self.name}' {what}", note=note)

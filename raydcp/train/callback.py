@@ -44,7 +44,7 @@ from ray.train import UserCallback
 
 from .. import engine
 from ..errors import CheckpointError
-from ..planner.save import _tiling_problems
+from ..planner.tiling import piece_problems
 from ..storage import CheckpointStorage
 from ._context import fsspec_location
 from .checkpoint import METRICS_KEY, run_checkpoint_dirs
@@ -71,7 +71,7 @@ def check_checkpoint(url: str, storage_options: dict | None = None, *, world_siz
         problems.append(f"saved by {md.world_size} ranks, reported by {world_size}")
     ends: dict[str, int] = {}
     for key, t in md.tensors.items():
-        problems += _tiling_problems(key, tuple(t.shape), [(c.offsets, c.sizes) for c in t.chunks])
+        problems += piece_problems(key, tuple(t.shape), [(c.offsets, c.sizes) for c in t.chunks])
         for c in t.chunks:
             ends[c.file] = max(ends.get(c.file, 0), c.byte_offset + c.nbytes)
     for name, end in sorted(ends.items()):

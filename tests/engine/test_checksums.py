@@ -2,7 +2,6 @@
 and any damage found whichever read path a chunk takes (batched small chunks, pooled large ones)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -129,7 +128,8 @@ def test_reads_given_as_chunk_objects_take_the_same_paths(tmp_path, monkeypatch)
 
 
 def test_commit_builds_sorted_chunk_tables_from_records():
-    from raydcp.metadata import Metadata, decode_metadata, encode_metadata
+    from raydcp.metadata import Metadata
+    from raydcp.metadata_format import decode_metadata, encode_metadata
     from raydcp.planner import TensorSpec
 
     from raydcp.engine.protocol import StorageRecord, tensor_metas

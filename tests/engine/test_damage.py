@@ -134,7 +134,8 @@ def test_partial_reads_are_verified_block_by_block(tmp_path):
 
 
 def test_metadata_whose_pieces_leave_a_gap_is_refused_on_load(tmp_path):
-    from raydcp.metadata import Metadata, TensorMeta, decode_metadata, encode_metadata
+    from raydcp.metadata import Metadata, TensorMeta
+    from raydcp.metadata_format import decode_metadata, encode_metadata
     from raydcp.storage import CheckpointStorage
 
     ck = tmp_path / "ck"

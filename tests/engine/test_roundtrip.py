@@ -9,7 +9,7 @@ from raydcp import CheckpointError, Shard
 from raydcp.codec import DTYPES, tensor_bytes
 from raydcp.engine.load import load_with
 from raydcp.engine.save import save_with
-from tests.unit.layouts import blocks, chunk_bounds, cols, piece, replicated, rows
+from tests.planner.layouts import blocks, chunk_bounds, cols, piece, replicated, rows
 
 from .helpers import run_ranks
 

@@ -20,11 +20,6 @@ from .helpers import (FAST_RETRY, Recorder, assert_same, failing_hook, files_of,
 pytestmark = pytest.mark.s3
 
 
-@pytest.fixture
-def tiers(tmp_path, s3_server):
-    return [str(tmp_path / "local"), s3_server.new_url()], s3_server.storage_options
-
-
 def pipeline(tiers, **kw) -> CheckpointPipeline:
     urls, opts = tiers
     kw.setdefault("retry", FAST_RETRY)

@@ -16,11 +16,6 @@ from .helpers import (FAST_RETRY, BlockOnce, GateActor, assert_same, files_of, m
 pytestmark = [pytest.mark.ray, pytest.mark.s3]
 
 
-@pytest.fixture
-def tiers(tmp_path, s3_server):
-    return [str(tmp_path / "local"), s3_server.new_url()], s3_server.storage_options
-
-
 def test_ray_coordinator_runs_the_stages_and_a_ray_task_hook(ray_session, tiers):
     ray = ray_session
     urls, opts = tiers
