@@ -6,10 +6,12 @@ asked, and otherwise cost nothing.
 """
 from __future__ import annotations
 
+import importlib
+import sys
 from abc import abstractmethod
 from typing import Any, Iterator, Mapping, Sequence
 
-__all__ = ["LazyMapping", "LazySequence"]
+__all__ = ["LazyMapping", "LazySequence", "lazy_attribute"]
 
 
 class LazyMapping(Mapping):
@@ -84,3 +86,14 @@ class LazySequence(Sequence):
 
     def __repr__(self) -> str:
         return repr(self._all())
+
+
+def lazy_attribute(package: str, table: Mapping[str, str], name: str) -> Any:
+    """A package's ``__getattr__``: import the module ``table[name]`` (relative to ``package``) on
+    first use, keep the name in the package (later lookups cost nothing), and return it. Keeps
+    heavy imports (torch, pyarrow) out of ``import package``."""
+    if name not in table:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(table[name], package), name)
+    setattr(sys.modules[package], name, value)
+    return value

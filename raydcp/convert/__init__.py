@@ -18,7 +18,7 @@ and ``raydcp.save`` take a whole state dict at once.
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_attribute
 
 __all__ = ["ConvertResult", "TensorSource", "parse_size", "to_torch_dcp", "from_torch_dcp", "from_safetensors",
            "from_torch_save",
@@ -34,8 +34,4 @@ _LAZY = {"ConvertResult": "._io", "TensorSource": "._io", "parse_size": "._io", 
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'raydcp.convert' has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, name)

@@ -9,7 +9,7 @@ the destination already holds the result).
 """
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_attribute
 
 __all__ = ["ReshardOptions", "ReshardPlan", "ReshardResult", "RoundExecutor", "ThreadExecutor", "RoundTask",
            "plan_reshard", "reshard", "reshard_with", "run_round", "LAYOUTS", "EXTRA_KEY"]
@@ -21,8 +21,4 @@ _LAZY = {"EXTRA_KEY": ".driver", "ReshardResult": ".driver", "RoundExecutor": ".
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'raydcp.reshard' has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, name)

@@ -103,18 +103,6 @@ def assert_resharded(dst: str, full: dict, options: ReshardOptions) -> None:
             assert boxes == want_boxes, k
 
 
-@pytest.fixture(scope="module")
-def full():
-    return reference_state()
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory, full):
-    path = str(tmp_path_factory.mktemp("reshard") / "src")
-    save_as_ranks(full, path, 2)
-    return path
-
-
 # ------------------------------------------------------------------------------ planning (pure)
 
 def test_plan_keeps_every_round_within_the_budget(src):

@@ -25,7 +25,7 @@ import pytest
 import raydcp
 from raydcp.errors import CheckpointError
 from raydcp.reshard import ReshardOptions, ThreadExecutor, reshard_with
-from tests.reshard.test_reshard import assert_resharded, reference_state, save_as_ranks
+from tests.reshard.test_reshard import assert_resharded
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -114,18 +114,6 @@ def submit(env: dict, *job_args: str, timeout: float = 400) -> subprocess.Comple
     cmd = [str(BIN / "ray"), "job", "submit", "--working-dir", str(REPO), "--runtime-env-json", runtime_env,
            "--", "python", "jobs/reshard.py", *job_args]
     return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def full():
-    return reference_state()
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory, full):
-    path = str(tmp_path_factory.mktemp("job") / "src")
-    save_as_ranks(full, path, 2)
-    return path
 
 
 @pytest.mark.ray
