@@ -3,6 +3,8 @@
 Public API (DESIGN.md): save, async_save, load, read_metadata, Shard, Group,
 CheckpointError, Metadata, ShardGroup, and the Ray Train helpers in raydcp.train.
 """
+import fsspec as _fsspec
+
 from .engine import async_save, load, read_metadata, save
 from .errors import CheckpointError
 from .group import Group
@@ -12,6 +14,10 @@ from .state import Shard
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
            "Metadata", "ShardGroup", "__version__"]
 __version__ = "0.1.0"
+
+# raymem:// (checkpoints in the Ray cluster's memory): fsspec imports the class, and with it Ray,
+# only when such a URL is opened.
+_fsspec.register_implementation("raymem", "raydcp.runtime.memstore.filesystem.RayMemFileSystem", clobber=True)
 
 
 def __getattr__(name: str):

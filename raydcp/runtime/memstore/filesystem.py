@@ -1,0 +1,488 @@
+"""``raymem://NAME/...``: an fsspec filesystem whose files live in the Ray cluster's object stores.
+
+raydcp's storage layer (fsspec only) uses it like any other backend; this module maps the
+primitives it calls onto the holders of :mod:`raydcp.runtime.memstore.holder`:
+
+- ``open(path, "wb")`` / ``pipe_file``: the bytes go, when the file is closed, to the holder of
+  the writer's node and to ``replicas`` holders of other nodes (ring order), and the call returns
+  only once every copy is held; a copy that does not fit under a node's byte cap is refused
+  before any byte moves. A write that fails half-way leaves no partial file.
+- ``pipe_file(".../raydcp.meta")`` is the commit: it first checks that every file the metadata
+  names still has all its copies (a node lost after the data writes fails the commit, nothing is
+  published), then publishes the metadata on every alive node (one atomic replace per holder),
+  then releases the checkpoints of the same NAME beyond ``keep_last`` (never before).
+- ``cat_ranges`` / ``cat_file``: each file is read from the reader's own node's holder (zero-copy
+  from the object store) where it has one, else from a live replica on another node; a file with
+  no live copy is a FileNotFoundError naming it.
+- ``info`` / ``ls`` / ``find`` / ``rm``: over the union of the alive nodes' holders.
+
+Options (``storage_options``): ``replicas`` (copies on other nodes; default 1 when more than one
+node is alive, else 0), ``keep_last`` (committed checkpoints kept per NAME, default 1; 0 keeps
+all), ``node_cap_bytes`` (bytes one node's holder may hold; default ``RAYDCP_MEMSTORE_NODE_CAP_BYTES``
+or unbounded), ``timeout_s`` (a holder that does not answer in time fails the call, default 300).
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+from fsspec.spec import AbstractFileSystem
+
+from ...errors import CheckpointError
+from ...storage import METADATA_NAME
+from . import placement
+
+__all__ = ["RayMemFileSystem", "NODE_CAP_ENV"]
+
+NODE_CAP_ENV = "RAYDCP_MEMSTORE_NODE_CAP_BYTES"
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool, minimum: int = 0) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"raymem:// storage_options[{name!r}] must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class RayMemFileSystem(AbstractFileSystem):
+    """fsspec filesystem ``raymem://``: files held in the object stores of a Ray cluster's nodes."""
+
+    protocol = "raymem"
+    root_marker = ""
+
+    def __init__(self, replicas: int | None = None, keep_last: int = 1, node_cap_bytes: int | None = None,
+                 timeout_s: float = 300.0, **kwargs):
+        super().__init__(**kwargs)
+        self.replicas = _positive_int("replicas", replicas, allow_none=True)
+        self.keep_last = _positive_int("keep_last", keep_last, allow_none=False)
+        if node_cap_bytes is None and os.environ.get(NODE_CAP_ENV):
+            node_cap_bytes = os.environ[NODE_CAP_ENV]
+        self.node_cap_bytes = _positive_int("node_cap_bytes", node_cap_bytes, allow_none=True, minimum=1)
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise CheckpointError(f"raymem:// storage_options['timeout_s'] must be a number > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+
+    # ----------------------------------------------------------------- helpers
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        path = str(path)
+        if path.startswith("raymem://"):
+            path = path[len("raymem://"):]
+        return path.strip("/")
+
+    def _url(self, path: str) -> str:
+        return f"raymem://{path}"
+
+    def _connect(self, path: str) -> None:
+        placement.ensure_ray(self._url(path))
+
+    def _call_all(self, method: str, *args) -> dict[str, Any]:
+        """Call ``method`` on the holder of every alive node that runs one; ``{node: result}``
+        of those that answered (a holder lost with its node is skipped)."""
+        holders = placement.existing_holders(placement.alive_nodes())
+        refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
+        out = {}
+        for node, ref in refs.items():
+            try:
+                out[node] = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                placement.forget(node)
+            except ray.exceptions.GetTimeoutError:
+                continue
+        return out
+
+    def _entries(self, prefix: str) -> dict[str, tuple[int, int, tuple, set]]:
+        """``{path: (size, created_ns, nodes, held_on)}`` over every alive holder."""
+        merged: dict[str, tuple[int, int, tuple, set]] = {}
+        for node, listing in self._call_all("listing", prefix).items():
+            for path, (size, created, nodes) in listing.items():
+                got = merged.get(path)
+                if got is None or created > got[1]:
+                    merged[path] = (size, created, nodes, {node} | (got[3] if got and got[1] == created else set()))
+                elif created == got[1]:
+                    got[3].add(node)
+        return merged
+
+    # ----------------------------------------------------------------- writes
+
+    def _replicas(self, nodes: list[str]) -> int:
+        return self.replicas if self.replicas is not None else (1 if len(nodes) > 1 else 0)
+
+    def _write(self, path: str, data: np.ndarray, created_ns: int) -> list[str]:
+        """Hold ``data`` as ``path`` on the writer's node and on the replica nodes; return them."""
+        self._connect(path)
+        url = self._url(path)
+        alive = placement.alive_nodes()
+        targets = placement.ring_targets(placement.local_node(), alive, self._replicas(alive), url)
+        holders = [placement.holder(n) for n in targets]
+        token = uuid.uuid4().hex
+        size = int(data.nbytes)
+        try:
+            refused = self._gather(targets, [h.reserve.remote(token, size, self.node_cap_bytes) for h in holders],
+                                   f"reserve memory for {url}")
+            refused = [r for r in refused if r is not None]
+            if refused:
+                r = refused[0]
+                raise CheckpointError(
+                    f"{url}: no room for {size} bytes on node {r['node']}: its holder has {r['used']} of its "
+                    f"{r['cap']}-byte cap in use (node_cap_bytes); nothing of this file was written. Raise "
+                    f"storage_options['node_cap_bytes'] (or {NODE_CAP_ENV}), lower keep_last or replicas, or "
+                    "save fewer bytes per node")
+            obj = ray.put(data)
+            self._gather(targets, [h.store.remote(path, [obj], size, created_ns, tuple(targets), token)
+                                   for h in holders], f"hold {url}")
+            del obj
+        except BaseException:
+            for h in holders:
+                try:
+                    h.release.remote(token)
+                    h.remove.remote([path])
+                except Exception:
+                    pass
+            raise
+        return targets
+
+    def _gather(self, nodes: list[str], refs: list, what: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise CheckpointError(f"could not {what}: the holders on nodes {nodes} did not answer within "
+                                  f"{self.timeout_s:.0f}s (storage_options['timeout_s'])") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.ObjectLostError) as exc:
+            for n in nodes:
+                placement.forget(n)
+            raise CheckpointError(f"could not {what}: a holder among nodes {nodes} was lost "
+                                  f"({type(exc).__name__}); the node may have left the cluster; nothing was "
+                                  "committed, save again") from None
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        path = self._strip_protocol(path)
+        data = bytes(value)
+        if path.rsplit("/", 1)[-1] == METADATA_NAME:
+            self._commit(path, data)
+        else:
+            self._write(path, np.frombuffer(data, dtype=np.uint8), time.time_ns())
+
+    def _commit(self, path: str, data: bytes) -> None:
+        """Publish the metadata ``path`` once every copy of every file it names is held."""
+        from ...metadata_format import decode_metadata  # raydcp's own codec, no pickle
+
+        self._connect(path)
+        url = self._url(path)
+        directory = path.rsplit("/", 1)[0] if "/" in path else ""
+        names = list(decode_metadata(data, url).files)
+        entries = self._entries(f"{directory}/" if directory else "")
+        problems, started = [], None
+        for name in names:
+            full = f"{directory}/{name}" if directory else name
+            got = entries.get(full)
+            if got is None:
+                problems.append(f"{self._url(full)} is held on no alive node")
+                continue
+            missing = set(got[2]) - got[3]
+            if missing:
+                problems.append(f"the copy of {self._url(full)} on node(s) {sorted(missing)} was lost")
+            started = got[1] if started is None else min(started, got[1])
+        if problems:
+            raise CheckpointError(f"{url}: not committed, the previous checkpoint (if any) is unchanged: "
+                                  + "; ".join(problems[:10]) + "; save again")
+        alive = placement.alive_nodes()
+        created = time.time_ns()
+        holders = [placement.holder(n) for n in alive]
+        self._gather(alive, [h.store_bytes.remote(path, data, created, tuple(alive)) for h in holders],
+                     f"publish {url}")
+        if self.keep_last:
+            self._retain(path, started if started is not None else created)
+
+    def _retain(self, meta_path: str, started_ns: int) -> None:
+        """Release what keep_last no longer keeps under this NAME, once the new metadata is out.
+
+        Every file belongs to the deepest committed checkpoint directory above it. Files of the
+        ``keep_last`` newest committed checkpoints stay; those of older ones go (their metadata
+        first, so an interrupted release leaves an uncommitted directory, never a damaged
+        checkpoint). Files under no committed checkpoint are leftovers of a save that failed, and
+        go when they were all written before the save that just committed started.
+        """
+        name = meta_path.split("/", 1)[0]
+        entries = self._entries(name + "/")
+        committed = {p.rsplit("/", 1)[0]: e[1] for p, e in entries.items()
+                     if "/" in p and p.rsplit("/", 1)[1] == METADATA_NAME}
+        newest = sorted(committed, key=lambda d: committed[d], reverse=True)
+        kept = set(newest[:self.keep_last]) | {meta_path.rsplit("/", 1)[0]}
+        by_depth = sorted(committed, key=len, reverse=True)
+        metas, rest = [], []
+        leftovers: dict[str, list[tuple[str, int]]] = {}
+        for path, (_, created, _, _) in entries.items():
+            owner = next((d for d in by_depth if path.startswith(d + "/")), None)
+            if owner is None:
+                leftovers.setdefault(self._checkpoint_dir(path), []).append((path, created))
+            elif owner not in kept:
+                (metas if path == f"{owner}/{METADATA_NAME}" else rest).append(path)
+        for files in leftovers.values():
+            if max(c for _, c in files) < started_ns:
+                rest.extend(p for p, _ in files)
+        if metas:
+            self._call_all("remove", metas)
+        if rest:
+            self._call_all("remove", rest)
+
+    @staticmethod
+    def _checkpoint_dir(path: str) -> str:
+        """The checkpoint directory of a data file (raydcp names them ``<dir>/data/<save>/...``)."""
+        if "/data/" in path:
+            return path.split("/data/", 1)[0]
+        return path.rsplit("/", 1)[0] if "/" in path else ""
+
+    # ----------------------------------------------------------------- reads
+
+    def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        """One buffer per ``(path, start, end)``: read-only views of the local node's copy where it
+        holds the file (no copy), else the ranges fetched from a live replica's holder."""
+        paths = [self._strip_protocol(p) for p in paths]
+        if not isinstance(starts, list):
+            starts = [starts] * len(paths)
+        if not isinstance(ends, list):
+            ends = [ends] * len(paths)
+        if not (len(paths) == len(starts) == len(ends)):
+            raise ValueError("cat_ranges: paths, starts and ends must have the same length")
+        if not paths:
+            return []
+        self._connect(paths[0])
+        unique = sorted(set(paths))
+        local, remote_sizes = self._local_arrays(unique)
+        wanted: dict[str, list[int]] = {}
+        for i, p in enumerate(paths):
+            if p not in local:
+                wanted.setdefault(p, []).append(i)
+        out: list[Any] = [None] * len(paths)
+        for i, p in enumerate(paths):
+            if p in local:
+                arr = local[p]
+                s, e = self._bounds(starts[i], ends[i], arr.nbytes)
+                out[i] = memoryview(arr[s:e])
+        if wanted:
+            self._read_remote(wanted, paths, starts, ends, out)
+        for i, value in enumerate(out):
+            if isinstance(value, BaseException) and on_error == "raise":
+                raise value
+        return out
+
+    @staticmethod
+    def _bounds(start, end, size: int) -> tuple[int, int]:
+        start = 0 if start is None else (size + start if start < 0 else start)
+        end = size if end is None else (size + end if end < 0 else end)
+        return max(0, min(start, size)), max(0, min(end, size))
+
+    def _local_arrays(self, paths: list[str]) -> tuple[dict[str, np.ndarray], dict]:
+        """The files of ``paths`` that this node's holder has, as zero-copy arrays."""
+        local = placement.local_node()
+        holder = placement.existing_holders([local]).get(local)
+        if holder is None:
+            return {}, {}
+        try:
+            boxed = ray.get(holder.lookup.remote(paths), timeout=self.timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            placement.forget(local)
+            return {}, {}
+        arrays = {}
+        for path, (ref,) in boxed.items():
+            try:
+                arrays[path] = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
+                continue  # read it from a replica
+        return arrays, {}
+
+    def _read_remote(self, wanted: dict[str, list[int]], paths, starts, ends, out: list) -> None:
+        """Fill ``out`` for files this node does not hold, from the nearest live copy elsewhere."""
+        local = placement.local_node()
+        ring = placement.alive_nodes()
+        if local in ring:  # nearest first: the ring order from this node on
+            i = ring.index(local)
+            ring = ring[i + 1:] + ring[:i]
+        held = self._call_all("sizes", sorted(wanted))
+        for path, idxs in wanted.items():
+            sources = [n for n in ring if path in held.get(n, {})]
+            size = next((held[n][path] for n in sources), 0)
+            error: BaseException | None = None
+            for node in sources:
+                bounds = [self._bounds(starts[i], ends[i], size) for i in idxs]
+                holder = placement.existing_holders([node]).get(node)
+                try:
+                    got = ray.get(holder.read_ranges.remote(path, [b[0] for b in bounds], [b[1] for b in bounds]),
+                                  timeout=self.timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                        ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError, AttributeError) as exc:
+                    placement.forget(node)
+                    error = exc
+                    continue
+                if got is None:
+                    continue
+                for i, arr in zip(idxs, got):
+                    out[i] = memoryview(arr)
+                error = None
+                break
+            else:
+                why = f" (last error: {type(error).__name__})" if error is not None else ""
+                exc = FileNotFoundError(
+                    f"{self._url(path)}: no live copy on the cluster's alive nodes{why}; every node that held "
+                    "it has left the cluster")
+                for i in idxs:
+                    out[i] = exc
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        return bytes(self.cat_ranges([path], [start], [end], on_error="raise")[0])
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
+        path = self._strip_protocol(path)
+        if mode == "rb":
+            return io.BytesIO(self.cat_file(path))
+        if mode in ("wb", "xb"):
+            return _MemWriter(self, path)
+        raise ValueError(f"raymem:// files open in 'rb' or 'wb' mode, not {mode!r}")
+
+    # ----------------------------------------------------------------- listing
+
+    def _info(self, path: str, entry: tuple) -> dict:
+        size, created, nodes, held_on = entry
+        return {"name": path, "size": size, "type": "file", "created": created / 1e9,
+                "nodes": list(nodes), "held_on": sorted(held_on)}
+
+    def info(self, path, **kwargs):
+        path = self._strip_protocol(path)
+        self._connect(path)
+        entries = self._entries(path)
+        if path in entries:
+            return self._info(path, entries[path])
+        if not path or any(p.startswith(path + "/") for p in entries):
+            return {"name": path, "size": 0, "type": "directory"}
+        raise FileNotFoundError(self._url(path))
+
+    def ls(self, path, detail=True, **kwargs):
+        path = self._strip_protocol(path)
+        self._connect(path)
+        prefix = f"{path}/" if path else ""
+        entries = self._entries(path)
+        if path in entries and not any(p.startswith(prefix) for p in entries):
+            return [self._info(path, entries[path])] if detail else [path]
+        children: dict[str, dict] = {}
+        for p, e in entries.items():
+            if not p.startswith(prefix):
+                continue
+            head, sep, _ = p[len(prefix):].partition("/")
+            name = prefix + head
+            if sep:
+                children.setdefault(name, {"name": name, "size": 0, "type": "directory"})
+            else:
+                children[name] = self._info(p, e)
+        if not children and path:
+            raise FileNotFoundError(self._url(path))
+        items = [children[k] for k in sorted(children)]
+        return items if detail else [i["name"] for i in items]
+
+    def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+        path = self._strip_protocol(path)
+        self._connect(path)
+        prefix = f"{path}/" if path else ""
+        found = {p: self._info(p, e) for p, e in self._entries(path).items() if p == path or p.startswith(prefix)}
+        if maxdepth is not None:
+            found = {p: i for p, i in found.items() if p[len(prefix):].count("/") < maxdepth}
+        names = sorted(found)
+        return {n: found[n] for n in names} if detail else names
+
+    def makedirs(self, path, exist_ok=False):
+        pass  # no directories: a write creates every parent
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        pass
+
+    # ----------------------------------------------------------------- removal
+
+    def rm_file(self, path):
+        self.rm([path])
+
+    def _rm(self, path):
+        self.rm([path])
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        paths = [self._strip_protocol(p) for p in (path if isinstance(path, (list, tuple)) else [path])]
+        if not paths:
+            return
+        self._connect(paths[0])
+        metas = [p for p in paths if p.rsplit("/", 1)[-1] == METADATA_NAME]
+        if metas:  # the metadata first: an interrupted removal leaves nothing that looks committed
+            self._call_all("remove", metas)
+        prefixes = [f"{p}/" if p else "" for p in paths] if recursive else []
+        self._call_all("remove", [p for p in paths if p not in metas], prefixes)
+
+    def usage(self) -> dict[str, dict]:
+        """``{node: {"held": bytes, "reserved": bytes, "files": n}}`` of every alive holder."""
+        placement.ensure_ray("raymem://")
+        return self._call_all("usage")
+
+
+class _MemWriter:
+    """A file open for writing: bytes collect in memory and go to the holders on ``close``
+    (a ``with`` block that raises discards them: no partial file is ever held)."""
+
+    mode = "wb"
+
+    def __init__(self, fs: RayMemFileSystem, path: str):
+        self.fs, self.path = fs, path
+        self._buf = bytearray()
+        self._created = time.time_ns()
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self._buf += view
+        return view.nbytes
+
+    def tell(self) -> int:
+        return len(self._buf)
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        buf, self._buf = self._buf, bytearray()
+        if self.path.rsplit("/", 1)[-1] == METADATA_NAME:
+            self.fs._commit(self.path, bytes(buf))
+        else:
+            self.fs._write(self.path, np.frombuffer(buf, dtype=np.uint8), self._created)
+
+    def discard(self) -> None:
+        self.closed = True
+        self._buf = bytearray()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
