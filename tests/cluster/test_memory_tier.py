@@ -19,12 +19,27 @@ from ._ranks import COLS, ROWS, MemRank, full_state, rows
 
 pytestmark = pytest.mark.cluster
 
+_CLI = [sys.executable, "-c", "import sys; from raydcp.cli import main; sys.exit(main())"]
 
-def _ranks(tags: list[str]):
+
+_POOL: dict[str, object] = {}  # one rank actor per node tag, reused by the tests (worker starts are slow)
+
+
+def _ranks(tags: list[str], fresh: bool = False):
+    """A rank actor on each node of ``tags`` (new ones when ``fresh``: the test kills them)."""
     import ray
 
     remote = ray.remote(MemRank)
-    return [remote.options(num_cpus=0, resources={tag: 1}, max_concurrency=4).remote() for tag in tags]
+    out = []
+    for tag in tags:
+        if fresh or tag not in _POOL:
+            actor = remote.options(num_cpus=0, resources={tag: 1}, max_concurrency=4).remote()
+            if fresh:
+                out.append(actor)
+                continue
+            _POOL[tag] = actor
+        out.append(_POOL[tag])
+    return out
 
 
 def _save(actors, ckpt: str, step: int, options: dict | None = None, timeout_s: float = 60.0):
@@ -68,7 +83,7 @@ def _kill(actors) -> None:
 
 
 def test_save_on_two_nodes_load_on_three_bit_exact(cluster):
-    savers = _ranks(["n1", "n2"])
+    savers = _ranks(["n1", "n2"], fresh=True)
     files = _save(savers, "raymem://nm/ckpt", step=1)
     _kill(savers)  # the bytes outlive the workers that saved them
     md = raydcp.read_metadata("raymem://nm/ckpt")  # from the driver, on the head node
@@ -81,7 +96,6 @@ def test_save_on_two_nodes_load_on_three_bit_exact(cluster):
         assert info["nodes"][0] in writer_nodes
     loaders = _ranks(["n1", "n2", "n3"])
     _assert_exact(_load(loaders, "raymem://nm/ckpt"), step=1)
-    _kill(loaders)
     # one process holding everything (group=None), on the head node
     whole = {"w": torch.zeros(ROWS, COLS), "e": torch.zeros(ROWS, 3, dtype=torch.int64), "b": torch.zeros(COLS),
              "step": 0}
@@ -89,3 +103,88 @@ def test_save_on_two_nodes_load_on_three_bit_exact(cluster):
     full = full_state(1)
     for key in ("w", "e", "b"):
         assert torch.equal(whole[key], full[key])
+
+
+def test_cli_inspect_and_verify_reach_the_cluster(cluster):
+    savers = _ranks(["n2", "n3"])
+    _save(savers, "raymem://cli/ckpt", step=4)
+    env = dict(os.environ, RAY_ADDRESS=cluster.cluster.address)
+    commands = [["inspect", "raymem://cli/ckpt", "--json"], ["verify", "raymem://cli/ckpt"],
+                ["verify", "raymem://cli/nothing"]]
+    procs = [subprocess.Popen([*_CLI, *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in commands]
+    (inspected, _), (verified, verr), (missing, merr) = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs[:2]] == [0, 0], verr[-2000:]
+    assert json.loads(inspected)["world_size"] == 2
+    assert procs[2].returncode != 0 and "Traceback" not in merr
+    assert "raymem://cli/nothing" in missing + merr
+
+
+def test_node_cap_refuses_a_save_before_writing_and_keeps_the_previous(cluster):
+    savers = _ranks(["n1", "n3"])
+    _save(savers, "raymem://cap/ckpt", step=1)
+    before = _fs().find("cap")
+    with pytest.raises(CheckpointError) as err:
+        _save(savers, "raymem://cap/ckpt", step=2, options={"node_cap_bytes": 1024})
+    text = str(err.value)
+    assert "no room for" in text and "node_cap_bytes" in text
+    assert any(cluster.node_id(t) in text for t in cluster.nodes), text  # names the node
+    assert _fs().find("cap") == before  # nothing of the refused save is held
+    _assert_exact(_load(savers, "raymem://cap/ckpt"), step=1)
+
+
+def test_keep_last_releases_older_checkpoints_only_after_a_commit(cluster):
+    savers = _ranks(["n1", "n2"])
+    _save(savers, "raymem://kl/a", step=1)
+    _save(savers, "raymem://kl/b", step=2)  # keep_last=1: a goes once b committed
+    with pytest.raises(CheckpointError, match="no committed raydcp checkpoint"):
+        raydcp.read_metadata("raymem://kl/a")
+    assert _fs().find("kl/a") == []
+    _assert_exact(_load(savers, "raymem://kl/b"), step=2)
+    _save(savers, "raymem://kl/c", step=3, options={"keep_last": 2})
+    _assert_exact(_load(savers, "raymem://kl/b"), step=2)
+    _assert_exact(_load(savers, "raymem://kl/c"), step=3)
+    held = {n: u["held"] for n, u in _fs().usage().items()}
+    _save(savers, "raymem://kl/d", step=4)  # keep_last=1 again: b and c released, d held
+    assert [p.rsplit("/", 1)[0] for p in _fs().find("kl") if p.endswith("raydcp.meta")] == ["kl/d"]
+    assert sum(u["held"] for u in _fs().usage().values()) < sum(held.values())
+
+
+def test_node_lost_after_commit_loads_from_replicas(cluster):
+    savers = _ranks(["n1", "n2"])
+    _save(savers, "raymem://lost/ckpt", step=5)
+    _save(savers, "raymem://single/ckpt", step=6, options={"replicas": 0})
+    files = _fs().find("single/ckpt/data")
+    on_n2 = [f for f in files if _fs().info(f)["held_on"] == [cluster.node_id("n2")]]
+    assert on_n2  # rank 1's file of the unreplicated checkpoint is only on n2
+    cluster.remove("n2")
+    _POOL.pop("n2")
+    survivors = _ranks(["n1", "n3", "node0"])
+    _assert_exact(_load(survivors, "raymem://lost/ckpt"), step=5)
+    # a file whose every copy was lost: the load fails naming it
+    with pytest.raises(CheckpointError) as err:
+        _load(survivors, "raymem://single/ckpt")
+    assert any(f"raymem://{f}" in str(err.value) for f in on_n2), str(err.value)
+
+
+def test_node_lost_mid_save_fails_every_rank_and_keeps_the_previous(cluster):
+    import ray
+
+    doomed = cluster.add()
+    first = [_ranks(["n1"])[0], *_ranks([doomed], fresh=True)]
+    _save(first, "raymem://mid/ckpt", step=7)
+    timeout_s = 20.0
+    name = f"save-{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    waiting = first[0].save.remote(name, 0, 2, "raymem://mid/ckpt", 8, None, timeout_s)
+    gated = first[1].save.remote(name, 1, 2, "raymem://mid/ckpt", 8, None, timeout_s, True)
+    cluster.remove(doomed)
+    with pytest.raises(CheckpointError) as err:
+        ray.get(waiting, timeout=timeout_s + 60)
+    print("MIDSAVE", err.value)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(gated, timeout=60)
+    assert time.monotonic() - t0 < timeout_s + 60  # bounded: no hang
+    assert raydcp.read_metadata("raymem://mid/ckpt").values["step"] == 7  # nothing committed
+    survivors = _ranks(["n1", "n3"])
+    _assert_exact(_load(survivors, "raymem://mid/ckpt"), step=7)

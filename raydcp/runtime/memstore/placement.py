@@ -32,8 +32,16 @@ _lock = threading.Lock()
 
 
 def ensure_ray(url: str) -> None:
-    """Connect this process to the Ray cluster (``RAY_ADDRESS`` or the running local one)."""
+    """Connect this process to the Ray cluster (``RAY_ADDRESS`` or the running local one).
+
+    Once connected, ``RAY_ADDRESS`` is set for this process's children (when unset), so a helper
+    process that writes for it (an async save's persister) reaches the same cluster."""
     if ray.is_initialized():
+        if _ADDRESS_ENV not in os.environ:
+            try:
+                os.environ[_ADDRESS_ENV] = ray.get_runtime_context().gcs_address
+            except Exception:
+                pass
         return
     try:
         ray.init(address=os.environ.get(_ADDRESS_ENV, "auto"), log_to_driver=False,
