@@ -128,7 +128,18 @@ def make_tiers(tiers: Sequence[Any], retention: Mapping[Any, Any] | Sequence[Any
             raise CheckpointError("storage_options must be a dict of fsspec options")
         out = [t if t.is_local or t.storage_options is not None else Tier(t.url, dict(storage_options), t.retention)
                for t in out]
-    return tuple(out)
+    return tuple(_memory_tier(t) for t in out)
+
+
+def _memory_tier(tier: Tier) -> Tier:
+    """A ``raymem://`` tier keeps what the pipeline's retention says (one checkpoint unless told
+    otherwise, plus any copy still being replicated): its own ``keep_last`` is turned off, as it
+    would release a copy that the next tier is still reading."""
+    if not tier.url.startswith("raymem://"):
+        return tier
+    options = dict(tier.storage_options or {})
+    options.setdefault("keep_last", 0)
+    return Tier(tier.url, options, tier.retention or Retention(keep_last=1))
 
 
 @dataclass(frozen=True, kw_only=True)

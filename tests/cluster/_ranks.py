@@ -71,3 +71,13 @@ class MemRank:
         raydcp.load(state, ckpt, group=group, storage_options=options)
         return {"w": state["w"].tensor.numpy().copy(), "e": state["e"].tensor.numpy().copy(),
                 "b": state["b"].numpy().copy(), "step": state["step"]}
+
+    def async_save(self, name: str, rank: int, world: int, ckpt: str, step: int, timeout_s: float = 60.0):
+        state = self._state(rank, world, full_state(step))
+        state["step"] = step
+        group = raydcp.Group(name, rank, world, timeout_s=timeout_s)
+        future = raydcp.async_save(state, ckpt, group=group)
+        for t in state.values():  # staged: later in-place updates do not leak into the checkpoint
+            if isinstance(t, raydcp.Shard):
+                t.tensor.add_(1)
+        return sorted(future.result(timeout=timeout_s * 2).files)

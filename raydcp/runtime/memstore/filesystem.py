@@ -201,7 +201,9 @@ class RayMemFileSystem(AbstractFileSystem):
         alive = placement.alive_nodes()
         created = time.time_ns()
         holders = [placement.holder(n) for n in alive]
-        self._gather(alive, [h.store_bytes.remote(path, data, created, tuple(alive)) for h in holders],
+        where = {f"{directory}/{n}" if directory else n: entries[f"{directory}/{n}" if directory else n][2]
+                 for n in names}
+        self._gather(alive, [h.store_bytes.remote(path, data, created, tuple(alive), where) for h in holders],
                      f"publish {url}")
         if self.keep_last:
             self._retain(path, started if started is not None else created)
@@ -261,7 +263,7 @@ class RayMemFileSystem(AbstractFileSystem):
             return []
         self._connect(paths[0])
         unique = sorted(set(paths))
-        local, remote_sizes = self._local_arrays(unique)
+        local = self._local_arrays(unique)
         wanted: dict[str, list[int]] = {}
         for i, p in enumerate(paths):
             if p not in local:
@@ -285,24 +287,24 @@ class RayMemFileSystem(AbstractFileSystem):
         end = size if end is None else (size + end if end < 0 else end)
         return max(0, min(start, size)), max(0, min(end, size))
 
-    def _local_arrays(self, paths: list[str]) -> tuple[dict[str, np.ndarray], dict]:
+    def _local_arrays(self, paths: list[str]) -> dict[str, np.ndarray]:
         """The files of ``paths`` that this node's holder has, as zero-copy arrays."""
         local = placement.local_node()
         holder = placement.existing_holders([local]).get(local)
         if holder is None:
-            return {}, {}
+            return {}
         try:
             boxed = ray.get(holder.lookup.remote(paths), timeout=self.timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
             placement.forget(local)
-            return {}, {}
+            return {}
         arrays = {}
         for path, (ref,) in boxed.items():
             try:
                 arrays[path] = ray.get(ref, timeout=self.timeout_s)
             except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
                 continue  # read it from a replica
-        return arrays, {}
+        return arrays
 
     def _read_remote(self, wanted: dict[str, list[int]], paths, starts, ends, out: list) -> None:
         """Fill ``out`` for files this node does not hold, from the nearest live copy elsewhere."""
@@ -334,12 +336,19 @@ class RayMemFileSystem(AbstractFileSystem):
                 error = None
                 break
             else:
-                why = f" (last error: {type(error).__name__})" if error is not None else ""
-                exc = FileNotFoundError(
-                    f"{self._url(path)}: no live copy on the cluster's alive nodes{why}; every node that held "
-                    "it has left the cluster")
+                exc = FileNotFoundError(self._lost(path) or f"{self._url(path)}: no copy on the cluster's alive nodes")
                 for i in idxs:
                     out[i] = exc
+
+    def _lost(self, path: str) -> str | None:
+        """Why a file that a committed checkpoint names has no copy left, if one does name it."""
+        meta = f"{self._checkpoint_dir(path)}/{METADATA_NAME}"
+        for nodes in self._call_all("placement_of", meta, path).values():
+            if nodes:
+                return (f"{self._url(path)} has no live copy: the node(s) that held it ({', '.join(nodes)}) left the "
+                        "cluster. Load a checkpoint held elsewhere (a storage tier), or save with more "
+                        "storage_options['replicas']")
+        return None
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         return bytes(self.cat_ranges([path], [start], [end], on_error="raise")[0])
@@ -367,6 +376,9 @@ class RayMemFileSystem(AbstractFileSystem):
             return self._info(path, entries[path])
         if not path or any(p.startswith(path + "/") for p in entries):
             return {"name": path, "size": 0, "type": "directory"}
+        lost = self._lost(path) if "/data/" in path else None
+        if lost:  # not "missing": a committed checkpoint names it, and every node that held it is gone
+            raise CheckpointError(lost)
         raise FileNotFoundError(self._url(path))
 
     def ls(self, path, detail=True, **kwargs):

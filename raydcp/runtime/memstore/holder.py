@@ -37,6 +37,7 @@ class FileEntry:
     size: int
     created_ns: int          # when the writer started the write (one clock: the writer's)
     nodes: tuple[str, ...]   # every node meant to hold a copy, the writer's first
+    placement: dict | None = None  # metadata only: {file path: nodes} of the files it names
 
 
 class MemHolder:
@@ -91,12 +92,19 @@ class MemHolder:
             self._files[path] = FileEntry(own, size, created_ns, tuple(nodes))
         return self.node_id
 
-    def store_bytes(self, path: str, data: bytes, created_ns: int, nodes: tuple) -> str:
-        """Hold a small file (the metadata) sent by value."""
+    def store_bytes(self, path: str, data: bytes, created_ns: int, nodes: tuple,
+                    placement: dict | None = None) -> str:
+        """Hold a small file (the metadata, with where the files it names were placed) sent by value."""
         own = ray.put(np.frombuffer(data, dtype=np.uint8))
         with self._lock:
-            self._files[path] = FileEntry(own, len(data), created_ns, tuple(nodes))
+            self._files[path] = FileEntry(own, len(data), created_ns, tuple(nodes), placement)
         return self.node_id
+
+    def placement_of(self, meta_path: str, path: str) -> tuple | None:
+        """The nodes that held ``path`` when the metadata ``meta_path`` committed, if it names it."""
+        with self._lock:
+            entry = self._files.get(meta_path)
+            return None if entry is None or not entry.placement else entry.placement.get(path)
 
     def remove(self, paths: list[str], prefixes: list[str] = ()) -> int:
         """Drop ``paths`` and every file under each of ``prefixes`` (ending in "/"); the bytes
