@@ -76,10 +76,7 @@ class RayMemFileSystem(AbstractFileSystem):
     def _strip_protocol(cls, path):
         if isinstance(path, list):
             return [cls._strip_protocol(p) for p in path]
-        path = str(path)
-        if path.startswith("raymem://"):
-            path = path[len("raymem://"):]
-        return path.strip("/")
+        return str(path).removeprefix("raymem://").strip("/")
 
     def _url(self, path: str) -> str:
         return f"raymem://{path}"
@@ -176,76 +173,15 @@ class RayMemFileSystem(AbstractFileSystem):
             self._write(path, np.frombuffer(data, dtype=np.uint8), time.time_ns())
 
     def _commit(self, path: str, data: bytes) -> None:
-        """Publish the metadata ``path`` once every copy of every file it names is held."""
-        from ...metadata_format import decode_metadata  # raydcp's own codec, no pickle
+        from .commit import publish
 
-        self._connect(path)
-        url = self._url(path)
-        directory = path.rsplit("/", 1)[0] if "/" in path else ""
-        names = list(decode_metadata(data, url).files)
-        entries = self._entries(f"{directory}/" if directory else "")
-        problems, started = [], None
-        for name in names:
-            full = f"{directory}/{name}" if directory else name
-            got = entries.get(full)
-            if got is None:
-                problems.append(f"{self._url(full)} is held on no alive node")
-                continue
-            missing = set(got[2]) - got[3]
-            if missing:
-                problems.append(f"the copy of {self._url(full)} on node(s) {sorted(missing)} was lost")
-            started = got[1] if started is None else min(started, got[1])
-        if problems:
-            raise CheckpointError(f"{url}: not committed, the previous checkpoint (if any) is unchanged: "
-                                  + "; ".join(problems[:10]) + "; save again")
-        alive = placement.alive_nodes()
-        created = time.time_ns()
-        holders = [placement.holder(n) for n in alive]
-        where = {f"{directory}/{n}" if directory else n: entries[f"{directory}/{n}" if directory else n][2]
-                 for n in names}
-        self._gather(alive, [h.store_bytes.remote(path, data, created, tuple(alive), where) for h in holders],
-                     f"publish {url}")
-        if self.keep_last:
-            self._retain(path, started if started is not None else created)
-
-    def _retain(self, meta_path: str, started_ns: int) -> None:
-        """Release what keep_last no longer keeps under this NAME, once the new metadata is out.
-
-        Every file belongs to the deepest committed checkpoint directory above it. Files of the
-        ``keep_last`` newest committed checkpoints stay; those of older ones go (their metadata
-        first, so an interrupted release leaves an uncommitted directory, never a damaged
-        checkpoint). Files under no committed checkpoint are leftovers of a save that failed, and
-        go when they were all written before the save that just committed started.
-        """
-        name = meta_path.split("/", 1)[0]
-        entries = self._entries(name + "/")
-        committed = {p.rsplit("/", 1)[0]: e[1] for p, e in entries.items()
-                     if "/" in p and p.rsplit("/", 1)[1] == METADATA_NAME}
-        newest = sorted(committed, key=lambda d: committed[d], reverse=True)
-        kept = set(newest[:self.keep_last]) | {meta_path.rsplit("/", 1)[0]}
-        by_depth = sorted(committed, key=len, reverse=True)
-        metas, rest = [], []
-        leftovers: dict[str, list[tuple[str, int]]] = {}
-        for path, (_, created, _, _) in entries.items():
-            owner = next((d for d in by_depth if path.startswith(d + "/")), None)
-            if owner is None:
-                leftovers.setdefault(self._checkpoint_dir(path), []).append((path, created))
-            elif owner not in kept:
-                (metas if path == f"{owner}/{METADATA_NAME}" else rest).append(path)
-        for files in leftovers.values():
-            if max(c for _, c in files) < started_ns:
-                rest.extend(p for p, _ in files)
-        if metas:
-            self._call_all("remove", metas)
-        if rest:
-            self._call_all("remove", rest)
+        publish(self, path, data)
 
     @staticmethod
     def _checkpoint_dir(path: str) -> str:
-        """The checkpoint directory of a data file (raydcp names them ``<dir>/data/<save>/...``)."""
-        if "/data/" in path:
-            return path.split("/data/", 1)[0]
-        return path.rsplit("/", 1)[0] if "/" in path else ""
+        from .commit import checkpoint_dir
+
+        return checkpoint_dir(path)
 
     # ----------------------------------------------------------------- reads
 
@@ -333,12 +269,13 @@ class RayMemFileSystem(AbstractFileSystem):
                     continue
                 for i, arr in zip(idxs, got):
                     out[i] = memoryview(arr)
-                error = None
                 break
             else:
-                exc = FileNotFoundError(self._lost(path) or f"{self._url(path)}: no copy on the cluster's alive nodes")
+                why = self._lost(path) or f"{self._url(path)}: no copy on the cluster's alive nodes"
+                if error is not None:
+                    why += f" (the holders that had one did not answer: {type(error).__name__})"
                 for i in idxs:
-                    out[i] = exc
+                    out[i] = FileNotFoundError(why)
 
     def _lost(self, path: str) -> str | None:
         """Why a file that a committed checkpoint names has no copy left, if one does name it."""
