@@ -15,9 +15,10 @@ __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "Che
            "Metadata", "ShardGroup", "__version__"]
 __version__ = "0.1.0"
 
-# raymem:// (checkpoints in the Ray cluster's memory): fsspec imports the class, and with it Ray,
-# only when such a URL is opened.
+# raymem:// (checkpoints in the Ray cluster's memory) and raynode:// (node-local disk tiers): fsspec
+# imports the classes, and with them Ray, only when such a URL is opened.
 _fsspec.register_implementation("raymem", "raydcp.runtime.memstore.filesystem.RayMemFileSystem", clobber=True)
+_fsspec.register_implementation("raynode", "raydcp.runtime.memstore.nodelocal.RayNodeFileSystem", clobber=True)
 
 
 def __getattr__(name: str):

@@ -281,6 +281,9 @@ class CheckpointStorage:
             fds, self._fds = self._fds, {}
         for fd, _ in fds.values():
             os.close(fd)
+        close_reads = getattr(self.fs, "close_reads", None)  # a filesystem that keeps views for reads
+        if close_reads is not None:
+            close_reads()
 
     def __del__(self):
         try:

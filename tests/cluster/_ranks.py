@@ -81,3 +81,20 @@ class MemRank:
             if isinstance(t, raydcp.Shard):
                 t.tensor.add_(1)
         return sorted(future.result(timeout=timeout_s * 2).files)
+
+    def pipeline_save(self, name: str, rank: int, world: int, tiers: list, ckpt: str, step: int,
+                      timeout_s: float = 120.0):
+        """Save through a CheckpointPipeline (Ray driver) as rank ``rank``; rank 0 returns the
+        pipeline's final status (a dict), the others the committed file names."""
+        from raydcp.pipeline import CheckpointPipeline
+
+        state = self._state(rank, world, full_state(step))
+        state["step"] = step
+        pipe = CheckpointPipeline(tiers, driver="ray", resume=False, async_save=False)
+        try:
+            handle = pipe.save(state, ckpt, group=raydcp.Group(name, rank, world, timeout_s=timeout_s))
+            if rank == 0:
+                return handle.wait(timeout=timeout_s * 4).to_dict()
+            return sorted(handle.result(timeout=timeout_s).files)
+        finally:
+            pipe.close(wait=False)

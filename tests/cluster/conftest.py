@@ -1,4 +1,4 @@
-"""A multi-node Ray cluster on this machine for the ``cluster`` tests (module-scoped).
+"""A multi-node Ray cluster on this machine for the ``cluster`` tests (one for the package).
 
 Each node is its own raylet and object store (``ray.cluster_utils.Cluster``), tagged with a
 custom resource (``node0`` for the head, ``n1``.. for the others) so tests place rank actors
@@ -40,7 +40,7 @@ class NodeSet:
         return self.nodes[tag].node_id
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def cluster():
     import ray
     from ray.cluster_utils import Cluster

@@ -37,13 +37,10 @@ def publish(fs, path: str, data: bytes) -> None:
     if problems:
         raise CheckpointError(f"{url}: not committed, the previous checkpoint (if any) is unchanged: "
                               + "; ".join(problems[:10]) + "; save again")
-    alive = placement.alive_nodes()
-    created = time.time_ns()
-    holders = [placement.holder(n) for n in alive]
     where = {f"{directory}/{n}" if directory else n: entries[f"{directory}/{n}" if directory else n][2]
              for n in names}
-    fs._gather(alive, [h.store_bytes.remote(path, data, created, tuple(alive), where) for h in holders],
-               f"publish {url}")
+    created = time.time_ns()
+    fs._publish_copies(placement.alive_nodes(), path, data, created, where)
     if fs.keep_last:
         retain(fs, path, started if started is not None else created)
 

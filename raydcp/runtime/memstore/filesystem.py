@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -57,6 +58,10 @@ class RayMemFileSystem(AbstractFileSystem):
 
     protocol = "raymem"
     root_marker = ""
+    _kind = "mem"  # which holders (placement.holder kinds) keep this filesystem's files
+    # One instance per CheckpointStorage (no fsspec instance cache): the views of data files an
+    # instance keeps for its reads (below) are released with it, or by close_reads().
+    cachable = False
 
     def __init__(self, replicas: int | None = None, keep_last: int = 1, node_cap_bytes: int | None = None,
                  timeout_s: float = 300.0, **kwargs):
@@ -69,6 +74,18 @@ class RayMemFileSystem(AbstractFileSystem):
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise CheckpointError(f"raymem:// storage_options['timeout_s'] must be a number > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
+        # Zero-copy views of this node's copies of data files read so far: a load reads a file in
+        # many ranges, and one holder lookup per file (not per range) is enough, as data files
+        # (``.../data/<save id>/...``) are never rewritten under the same name. Views pin their
+        # objects, so they go with this instance (one per CheckpointStorage) or close_reads().
+        self._views: dict[str, np.ndarray] = {}
+        self._sources: dict[str, tuple[list[str], int]] = {}  # data files held elsewhere: (nodes, size)
+        self._views_lock = threading.Lock()
+
+    def close_reads(self) -> None:
+        """Drop the views kept for reads (the objects can then be freed once released)."""
+        with self._views_lock:
+            self._views, self._sources = {}, {}
 
     # ----------------------------------------------------------------- helpers
 
@@ -87,14 +104,14 @@ class RayMemFileSystem(AbstractFileSystem):
     def _call_all(self, method: str, *args) -> dict[str, Any]:
         """Call ``method`` on the holder of every alive node that runs one; ``{node: result}``
         of those that answered (a holder lost with its node is skipped)."""
-        holders = placement.existing_holders(placement.alive_nodes())
+        holders = placement.existing_holders(placement.alive_nodes(), self._kind)
         refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
         out = {}
         for node, ref in refs.items():
             try:
                 out[node] = ray.get(ref, timeout=self.timeout_s)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                placement.forget(node)
+                placement.forget(node, self._kind)
             except ray.exceptions.GetTimeoutError:
                 continue
         return out
@@ -159,7 +176,7 @@ class RayMemFileSystem(AbstractFileSystem):
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.ObjectLostError) as exc:
             for n in nodes:
-                placement.forget(n)
+                placement.forget(n, self._kind)
             raise CheckpointError(f"could not {what}: a holder among nodes {nodes} was lost "
                                   f"({type(exc).__name__}); the node may have left the cluster; nothing was "
                                   "committed, save again") from None
@@ -177,11 +194,28 @@ class RayMemFileSystem(AbstractFileSystem):
 
         publish(self, path, data)
 
+    def _publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
+        """Hold the metadata ``path`` on every node of ``nodes`` (one atomic replace each)."""
+        holders = [placement.holder(n, self._kind) for n in nodes]
+        self._gather(nodes, [h.store_bytes.remote(path, data, created_ns, tuple(nodes), where) for h in holders],
+                     f"publish {self._url(path)}")
+
     @staticmethod
     def _checkpoint_dir(path: str) -> str:
         from .commit import checkpoint_dir
 
         return checkpoint_dir(path)
+
+    def node_of(self, path) -> str | None:
+        """The node that holds ``path`` (its writer's node where it still does): where work on
+        the file runs best (a pipeline replicates each file from there)."""
+        path = self._strip_protocol(path)
+        self._connect(path)
+        entry = self._entries(path).get(path)
+        if entry is None:
+            return None
+        _, _, nodes, held_on = entry
+        return next((n for n in nodes if n in held_on), None)
 
     # ----------------------------------------------------------------- reads
 
@@ -225,44 +259,62 @@ class RayMemFileSystem(AbstractFileSystem):
 
     def _local_arrays(self, paths: list[str]) -> dict[str, np.ndarray]:
         """The files of ``paths`` that this node's holder has, as zero-copy arrays."""
+        with self._views_lock:
+            arrays = {p: self._views[p] for p in paths if p in self._views}
+        todo = [p for p in paths if p not in arrays]
+        if not todo:
+            return arrays
         local = placement.local_node()
-        holder = placement.existing_holders([local]).get(local)
+        holder = placement.existing_holders([local], self._kind).get(local)
         if holder is None:
-            return {}
+            return arrays
         try:
-            boxed = ray.get(holder.lookup.remote(paths), timeout=self.timeout_s)
+            boxed = ray.get(holder.lookup.remote(todo), timeout=self.timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-            placement.forget(local)
-            return {}
-        arrays = {}
+            placement.forget(local, self._kind)
+            return arrays
         for path, (ref,) in boxed.items():
             try:
                 arrays[path] = ray.get(ref, timeout=self.timeout_s)
             except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
                 continue  # read it from a replica
+            if "/data/" in path:
+                with self._views_lock:
+                    self._views[path] = arrays[path]
         return arrays
 
     def _read_remote(self, wanted: dict[str, list[int]], paths, starts, ends, out: list) -> None:
         """Fill ``out`` for files this node does not hold, from the nearest live copy elsewhere."""
-        local = placement.local_node()
-        ring = placement.alive_nodes()
-        if local in ring:  # nearest first: the ring order from this node on
-            i = ring.index(local)
-            ring = ring[i + 1:] + ring[:i]
-        held = self._call_all("sizes", sorted(wanted))
+        with self._views_lock:
+            known = {p: self._sources[p] for p in wanted if p in self._sources}
+        if len(known) < len(wanted):
+            local = placement.local_node()
+            ring = placement.alive_nodes()
+            if local in ring:  # nearest first: the ring order from this node on
+                i = ring.index(local)
+                ring = ring[i + 1:] + ring[:i]
+            held = self._call_all("sizes", sorted(p for p in wanted if p not in known))
+            for path in wanted:
+                if path not in known:
+                    sources = [n for n in ring if path in held.get(n, {})]
+                    known[path] = (sources, next((held[n][path] for n in sources), 0))
+                    if sources and "/data/" in path:  # data files are immutable: remember where they are
+                        with self._views_lock:
+                            self._sources[path] = known[path]
         for path, idxs in wanted.items():
-            sources = [n for n in ring if path in held.get(n, {})]
-            size = next((held[n][path] for n in sources), 0)
+            sources, size = known[path]
             error: BaseException | None = None
             for node in sources:
                 bounds = [self._bounds(starts[i], ends[i], size) for i in idxs]
-                holder = placement.existing_holders([node]).get(node)
+                holder = placement.existing_holders([node], self._kind).get(node)
                 try:
                     got = ray.get(holder.read_ranges.remote(path, [b[0] for b in bounds], [b[1] for b in bounds]),
                                   timeout=self.timeout_s)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                         ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError, AttributeError) as exc:
-                    placement.forget(node)
+                    placement.forget(node, self._kind)
+                    with self._views_lock:
+                        self._sources.pop(path, None)
                     error = exc
                     continue
                 if got is None:
@@ -373,6 +425,7 @@ class RayMemFileSystem(AbstractFileSystem):
         if metas:  # the metadata first: an interrupted removal leaves nothing that looks committed
             self._call_all("remove", metas)
         prefixes = [f"{p}/" if p else "" for p in paths] if recursive else []
+        self.close_reads()
         self._call_all("remove", [p for p in paths if p not in metas], prefixes)
 
     def usage(self) -> dict[str, dict]:

@@ -20,6 +20,8 @@ Reads: :meth:`lookup` hands out the (borrowed) object of a file, for zero-copy r
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from typing import Any
 
 import numpy as np
 import ray
+
+from ...storage._local import publish_atomically
 
 __all__ = ["MemHolder", "FileEntry"]
 
@@ -38,6 +42,7 @@ class FileEntry:
     created_ns: int          # when the writer started the write (one clock: the writer's)
     nodes: tuple[str, ...]   # every node meant to hold a copy, the writer's first
     placement: dict | None = None  # metadata only: {file path: nodes} of the files it names
+    local_path: str | None = None  # node-local disk tier: the bytes are in this file on the node (ref is None)
 
 
 class MemHolder:
@@ -100,6 +105,20 @@ class MemHolder:
             self._files[path] = FileEntry(own, len(data), created_ns, tuple(nodes), placement)
         return self.node_id
 
+    def register(self, path: str, local_path: str, size: int, created_ns: int, nodes: tuple) -> str:
+        """Record a file of a node-local disk tier, written durably at ``local_path`` on this node."""
+        with self._lock:
+            self._files[path] = FileEntry(None, size, created_ns, tuple(nodes), None, local_path)
+        return self.node_id
+
+    def store_file(self, path: str, local_path: str, data: bytes, created_ns: int, nodes: tuple,
+                   placement: dict | None = None) -> str:
+        """Publish a small file (the metadata) at ``local_path`` on this node's disk, atomically."""
+        publish_atomically(local_path, memoryview(data))
+        with self._lock:
+            self._files[path] = FileEntry(None, len(data), created_ns, tuple(nodes), placement, local_path)
+        return self.node_id
+
     def placement_of(self, meta_path: str, path: str) -> tuple | None:
         """The nodes that held ``path`` when the metadata ``meta_path`` committed, if it names it."""
         with self._lock:
@@ -113,7 +132,12 @@ class MemHolder:
             gone = [p for p in paths if p in self._files]
             if prefixes:
                 gone += [p for p in self._files if any(p.startswith(x) for x in prefixes)]
-            return sum(self._files.pop(p).size for p in set(gone))
+            entries = [self._files.pop(p) for p in set(gone)]
+        for e in entries:
+            if e.local_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(e.local_path)
+        return sum(e.size for e in entries)
 
     # ----------------------------------------------------------------- reads
 
@@ -130,7 +154,7 @@ class MemHolder:
     def lookup(self, paths: list[str]) -> dict[str, list]:
         """``{path: [object]}`` for the paths held here (boxed, so the caller borrows the object)."""
         with self._lock:
-            return {p: [self._files[p].ref] for p in paths if p in self._files}
+            return {p: [self._files[p].ref] for p in paths if p in self._files and self._files[p].ref is not None}
 
     def read_ranges(self, path: str, starts: list[int], ends: list[int]) -> list[np.ndarray] | None:
         """Byte ranges of ``path`` (clamped to its size), for a reader on another node."""
@@ -138,6 +162,10 @@ class MemHolder:
             entry = self._files.get(path)
         if entry is None:
             return None
+        if entry.local_path is not None:
+            with open(entry.local_path, "rb") as f:
+                return [np.frombuffer(os.pread(f.fileno(), max(e - s, 0), s), dtype=np.uint8)
+                        for s, e in zip(starts, ends)]
         arr = ray.get(entry.ref)
         return [np.array(arr[s:e]) for s, e in zip(starts, ends)]
 

@@ -27,7 +27,9 @@ NAMESPACE = "raydcp-memstore"
 _ADDRESS_ENV = "RAY_ADDRESS"
 
 _RemoteHolder = ray.remote(MemHolder)
-_handles: dict[str, object] = {}
+_handles: dict[tuple[str, str], object] = {}
+# holders of the memory tier ("mem") and of node-local disk tiers ("disk"): one of each per node
+_PREFIX = {"mem": "holder", "disk": "disk-holder"}
 _lock = threading.Lock()
 
 
@@ -62,43 +64,43 @@ def alive_nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
-def holder(node_id: str):
-    """The holder of ``node_id``, started there if it does not run yet."""
+def holder(node_id: str, kind: str = "mem"):
+    """The holder of ``node_id`` (of tier ``kind``), started there if it does not run yet."""
     with _lock:
-        handle = _handles.get(node_id)
+        handle = _handles.get((kind, node_id))
     if handle is not None:
         return handle
     handle = _RemoteHolder.options(
-        name=f"holder-{node_id}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        name=f"{_PREFIX[kind]}-{node_id}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_concurrency=32, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(node_id)
     with _lock:
-        _handles[node_id] = handle
+        _handles[kind, node_id] = handle
     return handle
 
 
-def existing_holders(nodes: list[str]) -> dict[str, object]:
-    """``{node: holder}`` of the given nodes that already run a holder (none is started)."""
+def existing_holders(nodes: list[str], kind: str = "mem") -> dict[str, object]:
+    """``{node: holder}`` of the given nodes that already run a holder of ``kind`` (none is started)."""
     out = {}
     for node in nodes:
         with _lock:
-            handle = _handles.get(node)
+            handle = _handles.get((kind, node))
         if handle is None:
             try:
-                handle = ray.get_actor(f"holder-{node}", namespace=NAMESPACE)
+                handle = ray.get_actor(f"{_PREFIX[kind]}-{node}", namespace=NAMESPACE)
             except ValueError:
                 continue
             with _lock:
-                _handles[node] = handle
+                _handles[kind, node] = handle
         out[node] = handle
     return out
 
 
-def forget(node_id: str) -> None:
+def forget(node_id: str, kind: str = "mem") -> None:
     """Drop a cached handle (its holder died)."""
     with _lock:
-        _handles.pop(node_id, None)
+        _handles.pop((kind, node_id), None)
 
 
 def ring_targets(local: str, nodes: list[str], replicas: int, url: str) -> list[str]:
