@@ -1,9 +1,12 @@
-"""``raymem://NAME/...``: checkpoints held in the memory of a Ray cluster's nodes.
+"""``raymem://NAME/...``: checkpoints held in the memory of a Ray cluster's nodes (and ``raynode://``).
 
 - :mod:`.holder`: the detached actor, one per node, that owns the bytes held there;
 - :mod:`.placement`: alive nodes, holder handles, the replica ring;
 - :mod:`.filesystem`: the fsspec filesystem raydcp's storage layer uses for ``raymem://`` URLs
-  (registered with fsspec when :mod:`raydcp` is imported).
+  (registered with fsspec when :mod:`raydcp` is imported), with :mod:`.writer` (a file open for
+  writing) and :mod:`.commit` (the metadata's publication and ``keep_last``);
+- :mod:`.nodelocal`: ``raynode://``, the same protocol over each node's local disk (node-local
+  pipeline tiers).
 
 See docs/memory.md for the protocol, the options and the failure behaviour.
 """

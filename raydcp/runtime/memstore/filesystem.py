@@ -37,6 +37,7 @@ from fsspec.spec import AbstractFileSystem
 from ...errors import CheckpointError
 from ...storage import METADATA_NAME
 from . import placement
+from .writer import MemWriter
 
 __all__ = ["RayMemFileSystem", "NODE_CAP_ENV"]
 
@@ -369,7 +370,7 @@ class RayMemFileSystem(AbstractFileSystem):
         if mode == "rb":
             return io.BytesIO(self.cat_file(path))
         if mode in ("wb", "xb"):
-            return _MemWriter(self, path)
+            return MemWriter(self, path)
         raise ValueError(f"raymem:// files open in 'rb' or 'wb' mode, not {mode!r}")
 
     # ----------------------------------------------------------------- listing
@@ -454,59 +455,3 @@ class RayMemFileSystem(AbstractFileSystem):
         """``{node: {"held": bytes, "reserved": bytes, "files": n}}`` of every alive holder."""
         placement.ensure_ray("raymem://")
         return self._call_all("usage")
-
-
-class _MemWriter:
-    """A file open for writing: bytes collect in memory and go to the holders on ``close``
-    (a ``with`` block that raises discards them: no partial file is ever held)."""
-
-    mode = "wb"
-
-    def __init__(self, fs: RayMemFileSystem, path: str):
-        self.fs, self.path = fs, path
-        self._buf = bytearray()
-        self._created = time.time_ns()
-        self.closed = False
-
-    def write(self, data) -> int:
-        view = memoryview(data)
-        self._buf += view
-        return view.nbytes
-
-    def tell(self) -> int:
-        return len(self._buf)
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        buf, self._buf = self._buf, bytearray()
-        if self.path.rsplit("/", 1)[-1] == METADATA_NAME:
-            self.fs._commit(self.path, bytes(buf))
-        else:
-            self.fs._write(self.path, np.frombuffer(buf, dtype=np.uint8), self._created)
-
-    def discard(self) -> None:
-        self.closed = True
-        self._buf = bytearray()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.close()
-        else:
-            self.discard()
