@@ -17,7 +17,8 @@ from raydcp.errors import CheckpointError
 
 from ._ranks import COLS, ROWS, MemRank, full_state, rows
 
-pytestmark = pytest.mark.cluster
+# a cluster's start (the first test's setup) and its first workers take minutes on a loaded machine
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 _CLI = [sys.executable, "-c", "import sys; from raydcp.cli import main; sys.exit(main())"]
 

@@ -19,7 +19,8 @@ from raydcp.pipeline import CheckpointPipeline, Tier
 from ._ranks import full_state
 from .test_memory_tier import _assert_exact, _load, _ranks, _save
 
-pytestmark = pytest.mark.cluster
+# a cluster's start (the first test's setup) and its first workers take minutes on a loaded machine
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 
 def _data_files(root: str, node: str, ckpt: str) -> set[str]:
