@@ -8,6 +8,7 @@ Timed, each repeat (the order of the three rotates from repeat to repeat):
   raymem     raydcp.load from raymem:// onto 4 ranks (same size) and onto 6 (resharded)
   disk       raydcp.load of the same checkpoint from the local directory, 4 and 6 ranks
   torch DCP  dcp.load from its local directory onto 4 and 6 gloo ranks (DTensors, resharded on load)
+  s3         (with --s3) raydcp.load of the same checkpoint saved to S3 served by moto on loopback
 
 One Ray node (``ray.init``): every rank reads its own node's copy of the memory checkpoint. The
 disk copies are in the page cache (they were just written) unless --cold, which evicts them
@@ -18,6 +19,7 @@ saved values; medians of --repeats; ratios are other time / raymem time.
     python bench/memory_restore.py                          # 256 MiB, 3 repeats
     python bench/memory_restore.py --mib 64 --repeats 1     # quick
     python bench/memory_restore.py --cold                   # disk loads from a cold page cache
+    python bench/memory_restore.py --s3                     # also from S3 (moto_server, in its own process)
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="size of the state, all ranks together (64 tensors)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict the disk checkpoints from the page cache before each load")
+    ap.add_argument("--s3", action="store_true", help="also restore from S3 (moto_server on loopback)")
     args = ap.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -111,9 +114,17 @@ def main() -> None:
 
     repo = str(Path(__file__).resolve().parent.parent)
     bench = str(Path(__file__).resolve().parent)
+    env = {"PYTHONPATH": os.pathsep.join([repo, bench])}
+    moto = None
+    if args.s3:  # the ranks reach it through fsspec's and boto's environment variables
+        from pipeline import BUCKET, KEYS, start_moto
+
+        moto, opts = start_moto()
+        env.update(FSSPEC_S3_ENDPOINT_URL=opts["client_kwargs"]["endpoint_url"], AWS_ACCESS_KEY_ID=KEYS["key"],
+                   AWS_SECRET_ACCESS_KEY=KEYS["secret"], AWS_DEFAULT_REGION="us-east-1")
+    s3_url = f"s3://{BUCKET}/restore" if args.s3 else None
     ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR", object_store_memory=max(1 << 30, 3 * size),
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([repo, bench])}})
+             logging_level="ERROR", object_store_memory=max(1 << 30, 3 * size), runtime_env={"env_vars": env})
     times: dict[str, list[float]] = {}
     pool = ranks = None
     try:
@@ -129,6 +140,8 @@ def main() -> None:
         pool.run("load", "warm", os.path.join(root, "dcp-warm"), MORE)
         saves = {"raymem": ranks.save("large", MEM_URL), "disk": ranks.save("large", disk),
                  "torch DCP": pool.run("save", "large", dcp_dir, SAVERS)[0]}
+        if s3_url:
+            saves["s3"] = ranks.save("large", s3_url)
         log("  saves (untimed for the goals): " + ", ".join(f"{k} {v:.2f} s" for k, v in saves.items()))
 
         def run(lib: str, w: int) -> float:
@@ -138,6 +151,8 @@ def main() -> None:
                 if args.cold:
                     evict(disk)
                 return ranks.load("large", w, disk)
+            if lib == "s3":
+                return ranks.load("large", w, s3_url)
             if args.cold:
                 evict(dcp_dir)
             t, bad = pool.run("load", "large", dcp_dir, w)
@@ -145,9 +160,9 @@ def main() -> None:
                 raise AssertionError(f"torch DCP: {bad} tensors differ after the load onto {w} ranks")
             return t
 
-        libs = ["raymem", "disk", "torch DCP"]
+        libs = ["raymem", "disk", "torch DCP"] + (["s3"] if s3_url else [])
         for rep in range(args.repeats):
-            order = libs[rep % 3:] + libs[:rep % 3]
+            order = libs[rep % len(libs):] + libs[:rep % len(libs)]
             got = {}
             for lib in order:
                 for w in (SAVERS, MORE):
@@ -161,17 +176,22 @@ def main() -> None:
         if pool is not None:
             pool.close()
         ray.shutdown()
+        if moto is not None:
+            moto.terminate()
         shutil.rmtree(root, ignore_errors=True)
 
     med = {k: median(v) for k, v in times.items()}
     rows = []
     for w in (SAVERS, MORE):
         mem = med[f"raymem 4->{w}"]
-        for lib in ("raymem", "disk", "torch DCP"):
+        for lib in libs:
             t = med[f"{lib} 4->{w}"]
             rows.append([f"4->{w} {lib}", t, size / t / 1e9, t / mem])
     text = table(["restore", "median s", "GB/s", "time / raymem time"], rows)
     goal = {f"4->{w} DCP / raymem >= 2": med[f"torch DCP 4->{w}"] / med[f"raymem 4->{w}"] >= 2 for w in (SAVERS, MORE)}
+    if s3_url:
+        goal.update({f"4->{w} s3 / raymem >= 10": med[f"s3 4->{w}"] / med[f"raymem 4->{w}"] >= 10
+                     for w in (SAVERS, MORE)})
     info["loadavg_during"] = str(loads)
     print(f"\n## memory_restore  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM; 1-minute load "
           f"average during the run {loads})\n")
