@@ -15,8 +15,11 @@ demo: $(STAMP)
 	$(PY) jobs/demo.py
 	$(PY) jobs/train_elastic.py --verify
 
+# The multi-node tests (marker `cluster`) start a Ray cluster of their own, which one process cannot
+# hold beside the session's local Ray instance: they run in a second pytest process.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not cluster"
+	$(PY) -m pytest -q -m cluster tests/cluster
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydcp tests bench jobs

@@ -17,7 +17,12 @@ local two-node-capable Ray cluster:
    are compared (world-size independent up to float rounding: the global batch
    is the same and split evenly).
 
-Run: .venv/bin/python jobs/train_elastic.py [--steps 8] [--pause-at 4] [--verify] [--async-save] [--json]
+With ``--memory`` every checkpoint is kept in the cluster's memory (``raymem://``, a replica of
+each rank's files on the other node) and persisted to storage every ``--persist-every`` saves: the
+scale-up resumes from memory, then at ``--kill-at`` the added node is removed and Ray Train
+restarts the run on the 2 surviving workers, which resume from the memory replicas.
+
+Run: .venv/bin/python jobs/train_elastic.py [--steps 8] [--pause-at 4] [--verify] [--async-save] [--memory] [--json]
 
 The training function (:func:`train_loop`) is also what tests/train runs.
 """
@@ -137,13 +142,22 @@ def train_loop(config: dict) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * 0.9 ** max(0, s - 4))
     state = raydcp.train.TrainState(model, opt, sched, seed=seed)
 
+    memory = config.get("memory", False)
+    in_memory = None
+    if memory:  # what the cluster's memory holds before the restore (the demo reports where it resumed from)
+        from raydcp.train.memory import latest_in_memory, memory_root
+
+        in_memory = latest_in_memory(memory_root(ctx))
     resumed = raydcp.train.restore({"train": state}, async_save=config.get("async_save", False))
     if not resumed:
         state.reseed()
     start = state.step
     events = ray.get_actor(config["events"]) if config.get("events") else None
     if events is not None and rank == 0:
-        ray.get(events.append.remote({"world_size": world, "resumed": resumed, "start_step": start}))
+        source = "memory" if resumed and in_memory is not None and in_memory[1] == start else \
+            ("storage" if resumed else None)
+        ray.get(events.append.remote({"world_size": world, "resumed": resumed, "start_step": start,
+                                      "source": source}))
 
     data = dataset(seed)
     get_info = None
@@ -176,17 +190,21 @@ def train_loop(config: dict) -> None:
             metrics["draws"] = draws
         pausing = (events is not None and state.step == config.get("pause_at")
                    and world < config.get("max_workers", world))
+        killing = (events is not None and state.step == config.get("kill_at")
+                   and world == config.get("max_workers", world))
         if state.step % every == 0 or state.step == steps:
             # before pausing, make sure Ray Train has registered the checkpoint the resize resumes from
+            # (a memory checkpoint that is not persisted is held by the cluster once saved)
             raydcp.train.save({"train": state}, metrics, wait_registered=pausing,
                               async_save=config.get("async_save", False),
-                              max_staging_bytes=config.get("max_staging_bytes"))
+                              max_staging_bytes=config.get("max_staging_bytes"), memory=memory,
+                              persist_every=1 if state.step == steps else config.get("persist_every", 1))
         elif raydcp.train.save_on_preemption({"train": state}, metrics, get_info=get_info):
             pass  # the run goes on until the node is actually taken away
 
-        if pausing:
+        if pausing or killing:
             if rank == 0:
-                ray.get(events.set.remote("paused"))
+                ray.get(events.set.remote("paused" if pausing else "kill"))
             # Wait for the cluster to grow: Ray Train then stops this worker group and restarts the
             # run on more workers. The timeout only keeps a run without a scale-up from hanging.
             try:
@@ -299,7 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print a JSON summary only")
     ap.add_argument("--async-save", action="store_true",
                     help="checkpoint asynchronously (raydcp.train.save(async_save=True))")
+    ap.add_argument("--memory", action="store_true",
+                    help="checkpoint into the cluster's memory (raydcp.train.save(memory=True)), persist every "
+                         "--persist-every saves; after the scale-up, kill the added node at --kill-at and resume "
+                         "on the survivors from the memory replicas")
+    ap.add_argument("--persist-every", type=int, default=2)
+    ap.add_argument("--kill-at", type=int, default=None, help="with --memory: step at which the added node is "
+                    "removed (default: --steps - --ckpt-every)")
     args = ap.parse_args(argv)
+    kill_at = (args.kill_at if args.kill_at is not None else args.steps - args.ckpt_every) if args.memory else None
     say = (lambda *a: None) if args.json else print
     storage = args.dir or tempfile.mkdtemp(prefix="raydcp-elastic-")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
@@ -314,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         events = Events.options(name="raydcp-elastic-events").remote()
         config = {"seed": 0, "steps": args.steps, "ckpt_every": args.ckpt_every, "global_batch": 12,
                   "pause_at": args.pause_at, "max_workers": 4, "events": "raydcp-elastic-events",
-                  "async_save": args.async_save}
-        trainer = make_trainer(config, name="elastic", storage=storage, num_workers=(2, 4))
+                  "async_save": args.async_save, "memory": args.memory, "persist_every": args.persist_every,
+                  "kill_at": kill_at}
+        trainer = make_trainer(config, name="elastic", storage=storage, num_workers=(2, 4),
+                               max_failures=1 if args.memory else 0)
         out: dict = {}
         def fit():
             try:
@@ -333,9 +361,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("the run ended before pausing at step %d: %r" % (args.pause_at, out))
         t_paused = time.perf_counter() - t0
         say(f"step {args.pause_at} checkpointed on 2 workers; adding a node with 2 CPUs")
-        cluster.add_node(num_cpus=2)
+        added = cluster.add_node(num_cpus=2)
         _refresh_cluster_view()
         t_added = time.perf_counter() - t0
+        if kill_at is not None:
+            kill = events.wait.remote("kill")
+            while not ray.wait([kill], timeout=1.0)[0]:
+                if not thread.is_alive():
+                    raise RuntimeError("the run ended before reaching step %d on 4 workers: %r" % (kill_at, out))
+            say(f"step {kill_at} checkpointed in memory on 4 workers; removing the added node")
+            cluster.remove_node(added)
+            summary["node_removed_at_step"] = kill_at
         thread.join(timeout=600)
         if "result" not in out:
             raise RuntimeError(f"the elastic run did not finish: {out.get('error')!r}")
@@ -349,12 +385,17 @@ def main(argv: list[str] | None = None) -> int:
             records=read_records(storage, "elastic"),
         )
         for a in summary["attempts"]:
-            say(f"  attempt on {a['world_size']} workers: {'resumed at step ' + str(a['start_step']) if a['resumed'] else 'fresh start'}")
+            how = f"resumed at step {a['start_step']} from {a.get('source')}" if a["resumed"] else "fresh start"
+            say(f"  attempt on {a['world_size']} workers: {how}")
         say(f"finished on {result.metrics['world_size']} workers at step {result.metrics['step']}: "
             f"loss {result.metrics['loss']:.5f}, lr {result.metrics['lr']:.5f}")
-        ok = [a["world_size"] for a in summary["attempts"]][-1:] == [4]
+        sizes = [a["world_size"] for a in summary["attempts"]]
+        if kill_at is None:
+            ok = sizes[-1:] == [4]
+        else:  # 2 -> 4 (scale-up) -> 2 (node lost), both resumes from memory
+            ok = sizes == [2, 4, 2] and [a["source"] for a in summary["attempts"][1:]] == ["memory", "memory"]
         if args.verify:
-            ref_cfg = {k: v for k, v in config.items() if k not in ("pause_at", "events")}
+            ref_cfg = {k: v for k, v in config.items() if k not in ("pause_at", "events", "memory", "kill_at")}
             ref = make_trainer(ref_cfg, name="reference", storage=storage, num_workers=2).fit()
             diff = max_rel_diff(load_full(ref.checkpoint.path), load_full(result.checkpoint.path))
             summary["verify"] = {

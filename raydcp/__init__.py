@@ -4,9 +4,12 @@ Public API (docs/architecture.md): save, async_save, load, read_metadata, Shard,
 CheckpointError and its typed subclasses (raydcp.errors), Metadata, ShardGroup,
 and the Ray Train helpers in raydcp.train.
 """
+import fsspec as _fsspec
+
 from .errors import (CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, CheckpointReplacedError,
                      CoordinatorLostError, RankFailedError, RanksTimedOutError, StateMismatchError, StorageError)
 from .group import Group
+from .lazy import lazy_attribute
 
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
            "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "StateMismatchError",
@@ -22,14 +25,15 @@ _LAZY = {"save": ".api", "async_save": ".api", "load": ".api", "read_metadata": 
 _SUBMODULES = frozenset({"api", "options", "train", "engine", "storage", "planner", "codec", "metadata", "metadata_format", "runtime",
                          "transport", "state", "verify", "pipeline", "convert", "reshard", "cli", "lazy"})
 
+# raymem:// (checkpoints in the Ray cluster's memory) and raynode:// (node-local disk tiers): fsspec
+# imports the classes, and with them Ray, only when such a URL is opened.
+_fsspec.register_implementation("raymem", "raydcp.runtime.memstore.filesystem.RayMemFileSystem", clobber=True)
+_fsspec.register_implementation("raynode", "raydcp.runtime.memstore.nodelocal.RayNodeFileSystem", clobber=True)
+
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
+        return lazy_attribute(__name__, _LAZY, name)
     if name in _SUBMODULES:  # raydcp.train.save(...), raydcp.engine.save_with(...) without importing them first
         import importlib
 

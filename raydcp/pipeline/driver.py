@@ -60,6 +60,22 @@ def _one_line(exc: BaseException) -> str:
     return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
 
 
+def _by_source_node(tasks, default: str | None) -> dict:
+    """``{node: [task index]}``: where each copy task runs best. A source filesystem that knows
+    which node holds a file (``node_of``: the node-local and memory tiers) sends the task there;
+    other tasks run on ``default`` (the saving node)."""
+    groups: dict = {}
+    nodes: dict = {}
+    for i, task in enumerate(tasks):
+        name = task.segment.file
+        if name not in nodes:
+            storage = CheckpointStorage(task.src_url, task.src_options)
+            node_of = getattr(storage.fs, "node_of", None)
+            nodes[name] = (node_of(f"{storage.path}/{name}") if node_of else None) or default
+        groups.setdefault(nodes[name], []).append(i)
+    return groups
+
+
 class PipelineDriver:
     """Runs the post-commit stages of submitted checkpoints (see the module docstring)."""
 
@@ -332,7 +348,16 @@ class PipelineDriver:
         def run(tasks, on_result):
             from .replicate import copy_segment
 
-            return self.runner.map(copy_segment, tasks, on_result, node_id=record.node_id)
+            groups = _by_source_node(tasks, record.node_id)
+            if len(groups) <= 1:
+                return self.runner.map(copy_segment, tasks, on_result, node_id=next(iter(groups), record.node_id))
+            # a node-local (or memory) source: each node's files are copied on that node
+            results: list = [None] * len(tasks)
+            for node, idxs in groups.items():
+                done = self.runner.map(copy_segment, [tasks[i] for i in idxs], on_result, node_id=node)
+                for i, r in zip(idxs, done):
+                    results[i] = r
+            return results
         return run
 
     def _hook_info(self, record: StatusRecord) -> dict[str, Any]:

@@ -73,11 +73,17 @@ class Tier:
     url: str
     storage_options: Mapping[str, Any] | None = None
     retention: Retention | None = None
+    node_local: bool = False  # a directory on each node's own disk (a "{node}" in it: the node's id)
 
     def __post_init__(self) -> None:
         url = os.fspath(self.url) if isinstance(self.url, os.PathLike) else self.url
         if not isinstance(url, str) or not url:
             raise CheckpointError(f"a tier is a non-empty path or fsspec URL, got {self.url!r}")
+        if self.node_local and not url.startswith("raynode://"):
+            if "://" in url and not url.startswith("file://"):
+                raise CheckpointError(f"a node-local tier is a local directory, got {url!r}")
+            url = "raynode://" + os.path.abspath(url.removeprefix("file://"))
+        object.__setattr__(self, "node_local", self.node_local or url.startswith("raynode://"))
         object.__setattr__(self, "url", url.rstrip("/") or url)
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise CheckpointError(f"storage_options of tier {url} must be a dict, got {type(self.storage_options).__name__}")
@@ -122,13 +128,24 @@ def make_tiers(tiers: Sequence[Any], retention: Mapping[Any, Any] | Sequence[Any
                 i = urls.index(key.rstrip("/"))
             else:
                 raise CheckpointError(f"retention names tier {key!r}, which is not one of the tiers {urls}")
-            out[i] = Tier(out[i].url, out[i].storage_options, Retention.of(policy))
+            out[i] = Tier(out[i].url, out[i].storage_options, Retention.of(policy), out[i].node_local)
     if storage_options is not None:
         if not isinstance(storage_options, Mapping):
             raise CheckpointError("storage_options must be a dict of fsspec options")
-        out = [t if t.is_local or t.storage_options is not None else Tier(t.url, dict(storage_options), t.retention)
-               for t in out]
-    return tuple(out)
+        out = [t if t.is_local or t.node_local or t.storage_options is not None
+               else Tier(t.url, dict(storage_options), t.retention) for t in out]
+    return tuple(_memory_tier(t) for t in out)
+
+
+def _memory_tier(tier: Tier) -> Tier:
+    """A ``raymem://`` tier keeps what the pipeline's retention says (one checkpoint unless told
+    otherwise, plus any copy still being replicated): its own ``keep_last`` is turned off, as it
+    would release a copy that the next tier is still reading."""
+    if not tier.url.startswith("raymem://"):
+        return tier
+    options = dict(tier.storage_options or {})
+    options.setdefault("keep_last", 0)
+    return Tier(tier.url, options, tier.retention or Retention(keep_last=1), tier.node_local)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -252,6 +252,12 @@ class CheckpointStorage:
                                                    self.url)
                     nread += n
                 return nread
+        fill = getattr(self.fs, "read_into_many", None)  # a filesystem that fills buffers itself (raymem://)
+        if fill is not None:
+            try:
+                return fill(path, todo)
+            except Exception as exc:
+                raise self._read_failure(name, path, end, exc) from exc
         starts = [s for s, _ in todo]
         ends = [s + len(v) for s, v in todo]
         try:
@@ -283,6 +289,9 @@ class CheckpointStorage:
             fds, self._fds = self._fds, {}
         for fd, _ in fds.values():
             os.close(fd)
+        close_reads = getattr(self.fs, "close_reads", None)  # a filesystem that keeps views for reads
+        if close_reads is not None:
+            close_reads()
 
     def __del__(self):
         try:

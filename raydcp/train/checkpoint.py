@@ -137,7 +137,8 @@ def worker_group(timeout_s: float = 600.0) -> Group | None:
 
 def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
          storage_options: dict | None = None, timeout_s: float = 600.0, wait_registered: bool = False,
-         async_save: bool = False, max_staging_bytes: int | None = None,
+         async_save: bool = False, max_staging_bytes: int | None = None, memory: bool = False,
+         persist_every: int = 1, memory_options: dict | None = None,
          _emergency: dict | None = None) -> Metadata | SaveFuture:
     """Save this rank's part of ``state_dict`` as one checkpoint of the run, and report it.
 
@@ -168,6 +169,14 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     ``max_staging_bytes`` caps the staging memory of an asynchronous save per
     node (shared evenly by the node's workers); above it the state is staged and
     written in batches and the stall grows instead.
+
+    ``memory=True`` first saves the checkpoint into the memory of the run's nodes
+    (``raymem://``, see :mod:`raydcp.train.memory`; ``memory_options`` are its
+    storage_options: replicas, node_cap_bytes), replacing the previous memory
+    checkpoint once committed, and writes it to the run's storage (and reports it to
+    Ray Train) only every ``persist_every``-th save; the other saves report the
+    metrics alone. :func:`restore` loads from memory when the newest checkpoint is
+    there. Returns the metadata of the memory checkpoint when it is not persisted.
     """
     ctx = _context("save")
     state = _as_state_dict(state_dict)
@@ -186,6 +195,18 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     url, options = fsspec_location(storage.storage_filesystem, fs_path, storage_options)
 
     t0 = time.perf_counter()
+    if memory:
+        from .memory import memory_root, should_persist
+
+        mem_md = engine.save(state, f"{memory_root(ctx)}/{name}", group=group, storage_options=memory_options)
+        mem_s = time.perf_counter() - t0
+        if not should_persist(group_name, persist_every):
+            reported = dict(metrics or {})
+            reported[METRICS_KEY] = {"step": step, "world_size": world, "checkpoint": name, "mode": "memory",
+                                     "stall_seconds": mem_s, "memory_seconds": mem_s, "persisted": False,
+                                     **_save_numbers(mem_md, mem_s, persist=0.0)}
+            ray.train.report(reported)
+            return mem_md
     if async_save:
         cap = None if max_staging_bytes is None else int(max_staging_bytes) // ctx.get_local_world_size()
         future = api.async_save(state, url, group=group, storage_options=options, max_staging_bytes=cap)
@@ -199,6 +220,8 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
                                     "mode": "async" if async_save else "sync", "stall_seconds": stall}
     if _emergency is not None:
         ours["emergency"] = dict(_emergency)
+    if memory:
+        ours.update(memory_seconds=mem_s, persisted=True)
     from ray.train import Checkpoint, CheckpointUploadMode
 
     checkpoint = Checkpoint(path=fs_path, filesystem=storage.storage_filesystem)
@@ -229,7 +252,8 @@ def _save_numbers(md: Metadata, seconds: float, persist: float) -> dict:
 
 
 def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | None = None,
-            timeout_s: float = 600.0, async_save: bool = False) -> bool:
+            timeout_s: float = 600.0, async_save: bool = False, memory: bool = True,
+            memory_options: dict | None = None) -> bool:
     """Load the run's latest checkpoint into ``state_dict``, resharded to this world size.
 
     Every worker calls it (usually first thing in the training function). Returns
@@ -241,6 +265,10 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     It also starts the worker group's raydcp coordinator, so the first save does
     not wait for it; ``async_save=True`` (for runs that save with
     ``async_save=True``) starts this rank's persister actor too.
+
+    With ``memory=True`` (the default) a checkpoint of the run held in the cluster's
+    memory (``raydcp.train.save(memory=True)``) is loaded instead when it is at least
+    as new as the run's latest checkpoint in storage (rank 0 decides for all).
     """
     ctx = _context("restore")
     state = _as_state_dict(state_dict)
@@ -252,19 +280,42 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
             logger.info("raydcp: removed uncommitted checkpoint directories %s", removed)
     from ray.train.collective import broadcast_from_rank_zero
 
-    group_name = broadcast_from_rank_zero(  # also waits for the cleanup
-        _proposed_group_name(ctx, timeout_s) if rank == 0 else None)
+    checkpoint = ray.train.get_checkpoint()
+    choice = None
+    if rank == 0:
+        choice = (_proposed_group_name(ctx, timeout_s),
+                  _memory_source(ctx, checkpoint, memory_options) if memory else None)
+    group_name, in_memory = broadcast_from_rank_zero(choice)  # also waits for the cleanup
     group = _group(ctx, group_name, timeout_s)
     group.prepare(async_save=async_save)  # the first save (or this load) then finds them running
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+    if in_memory is not None:
+        url, options = in_memory, memory_options
+    elif checkpoint is None:
         return False
-    url, options = fsspec_location(checkpoint.filesystem, checkpoint.path, storage_options)
+    else:
+        url, options = fsspec_location(checkpoint.filesystem, checkpoint.path, storage_options)
     md = api.read_metadata(url, storage_options=options)
     for prefix, ts in _train_states(state):
         ts.prepare_restore(md, prefix)
     api.load(state, url, group=group, strict=strict, storage_options=options)
     return True
+
+
+def _memory_source(ctx, checkpoint, memory_options: dict | None) -> str | None:
+    """The URL of the run's newest memory checkpoint when it is at least as new as ``checkpoint``
+    (the latest in storage), else None."""
+    from .memory import latest_in_memory, memory_root, step_of_dir
+
+    found = latest_in_memory(memory_root(ctx), memory_options)
+    if found is None:
+        return None
+    url, step = found
+    if checkpoint is not None:
+        stored = step_of_dir(str(checkpoint.path).rstrip("/").rsplit("/", 1)[-1])
+        if step is None or (stored is not None and stored > step):
+            return None
+    logger.info("raydcp: restoring from the cluster's memory: %s", url)
+    return url
 
 
 def run_checkpoint_dirs(storage, storage_options: dict | None = None) -> list[tuple[str, str]]:

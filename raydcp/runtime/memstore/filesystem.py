@@ -1,0 +1,457 @@
+"""``raymem://NAME/...``: an fsspec filesystem whose files live in the Ray cluster's object stores.
+
+raydcp's storage layer (fsspec only) uses it like any other backend; this module maps the
+primitives it calls onto the holders of :mod:`raydcp.runtime.memstore.holder`:
+
+- ``open(path, "wb")`` / ``pipe_file``: the bytes go, when the file is closed, to the holder of
+  the writer's node and to ``replicas`` holders of other nodes (ring order), and the call returns
+  only once every copy is held; a copy that does not fit under a node's byte cap is refused
+  before any byte moves. A write that fails half-way leaves no partial file.
+- ``pipe_file(".../raydcp.meta")`` is the commit: it first checks that every file the metadata
+  names still has all its copies (a node lost after the data writes fails the commit, nothing is
+  published), then publishes the metadata on every alive node (one atomic replace per holder),
+  then releases the checkpoints of the same NAME beyond ``keep_last`` (never before).
+- ``cat_ranges`` / ``cat_file``: each file is read from the reader's own node's holder (zero-copy
+  from the object store) where it has one, else from a live replica on another node; a file with
+  no live copy is a FileNotFoundError naming it.
+- ``info`` / ``ls`` / ``find`` / ``rm``: over the union of the alive nodes' holders.
+
+Options (``storage_options``): ``replicas`` (copies on other nodes; default 1 when more than one
+node is alive, else 0), ``keep_last`` (committed checkpoints kept per NAME, default 1; 0 keeps
+all), ``node_cap_bytes`` (bytes one node's holder may hold; default ``RAYDCP_MEMSTORE_NODE_CAP_BYTES``
+or unbounded), ``timeout_s`` (a holder that does not answer in time fails the call, default 300).
+"""
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+from fsspec.spec import AbstractFileSystem
+
+from ...errors import CheckpointError
+from ...storage import METADATA_NAME
+from . import placement
+from .writer import MemWriter
+
+__all__ = ["RayMemFileSystem", "NODE_CAP_ENV"]
+
+NODE_CAP_ENV = "RAYDCP_MEMSTORE_NODE_CAP_BYTES"
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool, minimum: int = 0) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"raymem:// storage_options[{name!r}] must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class RayMemFileSystem(AbstractFileSystem):
+    """fsspec filesystem ``raymem://``: files held in the object stores of a Ray cluster's nodes."""
+
+    protocol = "raymem"
+    root_marker = ""
+    _kind = "mem"  # which holders (placement.holder kinds) keep this filesystem's files
+    # One instance per CheckpointStorage (no fsspec instance cache): the views of data files an
+    # instance keeps for its reads (below) are released with it, or by close_reads().
+    cachable = False
+
+    def __init__(self, replicas: int | None = None, keep_last: int = 1, node_cap_bytes: int | None = None,
+                 timeout_s: float = 300.0, **kwargs):
+        super().__init__(**kwargs)
+        self.replicas = _positive_int("replicas", replicas, allow_none=True)
+        self.keep_last = _positive_int("keep_last", keep_last, allow_none=False)
+        if node_cap_bytes is None and os.environ.get(NODE_CAP_ENV):
+            node_cap_bytes = os.environ[NODE_CAP_ENV]
+        self.node_cap_bytes = _positive_int("node_cap_bytes", node_cap_bytes, allow_none=True, minimum=1)
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise CheckpointError(f"raymem:// storage_options['timeout_s'] must be a number > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        # Zero-copy views of this node's copies of data files read so far: a load reads a file in
+        # many ranges, and one holder lookup per file (not per range) is enough, as data files
+        # (``.../data/<save id>/...``) are never rewritten under the same name. Views pin their
+        # objects, so they go with this instance (one per CheckpointStorage) or close_reads().
+        self._views: dict[str, np.ndarray] = {}
+        self._sources: dict[str, tuple[list[str], int]] = {}  # data files held elsewhere: (nodes, size)
+        self._views_lock = threading.Lock()
+
+    def close_reads(self) -> None:
+        """Drop the views kept for reads (the objects can then be freed once released)."""
+        with self._views_lock:
+            self._views, self._sources = {}, {}
+
+    # ----------------------------------------------------------------- helpers
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        if isinstance(path, list):
+            return [cls._strip_protocol(p) for p in path]
+        return str(path).removeprefix("raymem://").strip("/")
+
+    def _url(self, path: str) -> str:
+        return f"raymem://{path}"
+
+    def _connect(self, path: str) -> None:
+        placement.ensure_ray(self._url(path))
+
+    def _call_all(self, method: str, *args) -> dict[str, Any]:
+        """Call ``method`` on the holder of every alive node that runs one; ``{node: result}``
+        of those that answered (a holder lost with its node is skipped)."""
+        holders = placement.existing_holders(placement.alive_nodes(), self._kind)
+        refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
+        out = {}
+        for node, ref in refs.items():
+            try:
+                out[node] = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                placement.forget(node, self._kind)
+            except ray.exceptions.GetTimeoutError:
+                continue
+        return out
+
+    def _entries(self, prefix: str) -> dict[str, tuple[int, int, tuple, set]]:
+        """``{path: (size, created_ns, nodes, held_on)}`` over every alive holder."""
+        merged: dict[str, tuple[int, int, tuple, set]] = {}
+        for node, listing in self._call_all("listing", prefix).items():
+            for path, (size, created, nodes) in listing.items():
+                got = merged.get(path)
+                if got is None or created > got[1]:
+                    merged[path] = (size, created, nodes, {node} | (got[3] if got and got[1] == created else set()))
+                elif created == got[1]:
+                    got[3].add(node)
+        return merged
+
+    # ----------------------------------------------------------------- writes
+
+    def _replicas(self, nodes: list[str]) -> int:
+        return self.replicas if self.replicas is not None else (1 if len(nodes) > 1 else 0)
+
+    def _write(self, path: str, data: np.ndarray, created_ns: int) -> list[str]:
+        """Hold ``data`` as ``path`` on the writer's node and on the replica nodes; return them."""
+        self._connect(path)
+        url = self._url(path)
+        alive = placement.alive_nodes()
+        targets = placement.ring_targets(placement.local_node(), alive, self._replicas(alive), url)
+        holders = [placement.holder(n) for n in targets]
+        token = uuid.uuid4().hex
+        size = int(data.nbytes)
+        try:
+            refused = self._gather(targets, [h.reserve.remote(token, size, self.node_cap_bytes) for h in holders],
+                                   f"reserve memory for {url}")
+            refused = [r for r in refused if r is not None]
+            if refused:
+                r = refused[0]
+                raise CheckpointError(
+                    f"{url}: no room for {size} bytes on node {r['node']}: its holder has {r['used']} of its "
+                    f"{r['cap']}-byte cap in use (node_cap_bytes); nothing of this file was written. Raise "
+                    f"storage_options['node_cap_bytes'] (or {NODE_CAP_ENV}), lower keep_last or replicas, or "
+                    "save fewer bytes per node")
+            obj = ray.put(data)
+            self._gather(targets, [h.store.remote(path, [obj], size, created_ns, tuple(targets), token)
+                                   for h in holders], f"hold {url}")
+            del obj
+        except BaseException:
+            for h in holders:
+                try:
+                    h.release.remote(token)
+                    h.remove.remote([path])
+                except Exception:
+                    pass
+            raise
+        return targets
+
+    def _gather(self, nodes: list[str], refs: list, what: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise CheckpointError(f"could not {what}: the holders on nodes {nodes} did not answer within "
+                                  f"{self.timeout_s:.0f}s (storage_options['timeout_s'])") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.ObjectLostError) as exc:
+            for n in nodes:
+                placement.forget(n, self._kind)
+            raise CheckpointError(f"could not {what}: a holder among nodes {nodes} was lost "
+                                  f"({type(exc).__name__}); the node may have left the cluster; nothing was "
+                                  "committed, save again") from None
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        path = self._strip_protocol(path)
+        data = bytes(value)
+        if path.rsplit("/", 1)[-1] == METADATA_NAME:
+            self._commit(path, data)
+        else:
+            self._write(path, np.frombuffer(data, dtype=np.uint8), time.time_ns())
+
+    def _commit(self, path: str, data: bytes) -> None:
+        from .commit import publish
+
+        publish(self, path, data)
+
+    def _publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
+        """Hold the metadata ``path`` on every node of ``nodes`` (one atomic replace each)."""
+        holders = [placement.holder(n, self._kind) for n in nodes]
+        self._gather(nodes, [h.store_bytes.remote(path, data, created_ns, tuple(nodes), where) for h in holders],
+                     f"publish {self._url(path)}")
+
+    @staticmethod
+    def _checkpoint_dir(path: str) -> str:
+        from .commit import checkpoint_dir
+
+        return checkpoint_dir(path)
+
+    def node_of(self, path) -> str | None:
+        """The node that holds ``path`` (its writer's node where it still does): where work on
+        the file runs best (a pipeline replicates each file from there)."""
+        path = self._strip_protocol(path)
+        self._connect(path)
+        entry = self._entries(path).get(path)
+        if entry is None:
+            return None
+        _, _, nodes, held_on = entry
+        return next((n for n in nodes if n in held_on), None)
+
+    # ----------------------------------------------------------------- reads
+
+    def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
+        """One buffer per ``(path, start, end)``: read-only views of the local node's copy where it
+        holds the file (no copy), else the ranges fetched from a live replica's holder."""
+        paths = [self._strip_protocol(p) for p in paths]
+        if not isinstance(starts, list):
+            starts = [starts] * len(paths)
+        if not isinstance(ends, list):
+            ends = [ends] * len(paths)
+        if not (len(paths) == len(starts) == len(ends)):
+            raise ValueError("cat_ranges: paths, starts and ends must have the same length")
+        if not paths:
+            return []
+        self._connect(paths[0])
+        unique = sorted(set(paths))
+        local = self._local_arrays(unique)
+        wanted: dict[str, list[int]] = {}
+        for i, p in enumerate(paths):
+            if p not in local:
+                wanted.setdefault(p, []).append(i)
+        out: list[Any] = [None] * len(paths)
+        for i, p in enumerate(paths):
+            if p in local:
+                arr = local[p]
+                s, e = self._bounds(starts[i], ends[i], arr.nbytes)
+                out[i] = memoryview(arr[s:e])
+        if wanted:
+            self._read_remote(wanted, paths, starts, ends, out)
+        for i, value in enumerate(out):
+            if isinstance(value, BaseException) and on_error == "raise":
+                raise value
+        return out
+
+    def read_into_many(self, path: str, requests: list[tuple[int, memoryview]]) -> int:
+        """Fill each writable byte view of ``requests`` with the bytes of ``path`` from its start
+        on; the bytes copied. From this node's copy, one copy straight from the object store
+        into ``out`` (numpy's, without the GIL); else through :meth:`cat_ranges`. Used by the
+        storage layer's ``read_into_many`` in place of ``cat_ranges`` plus a copy."""
+        path = self._strip_protocol(path)
+        self._connect(path)
+        arr = self._local_arrays([path]).get(path)
+        if arr is None:
+            datas = self.cat_ranges([path] * len(requests), [s for s, _ in requests],
+                                    [s + len(v) for s, v in requests], on_error="raise")
+        else:
+            datas = [arr[s:s + len(v)] for s, v in requests]
+        total = 0
+        for (start, view), data in zip(requests, datas):
+            if len(data) != len(view):
+                raise ValueError(f"{self._url(path)}: bytes {start}..{start + len(view)} asked, "
+                                 f"{len(data)} there")
+            np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
+            total += len(view)
+        return total
+
+    @staticmethod
+    def _bounds(start, end, size: int) -> tuple[int, int]:
+        start = 0 if start is None else (size + start if start < 0 else start)
+        end = size if end is None else (size + end if end < 0 else end)
+        return max(0, min(start, size)), max(0, min(end, size))
+
+    def _local_arrays(self, paths: list[str]) -> dict[str, np.ndarray]:
+        """The files of ``paths`` that this node's holder has, as zero-copy arrays."""
+        with self._views_lock:
+            arrays = {p: self._views[p] for p in paths if p in self._views}
+        todo = [p for p in paths if p not in arrays]
+        if not todo:
+            return arrays
+        local = placement.local_node()
+        holder = placement.existing_holders([local], self._kind).get(local)
+        if holder is None:
+            return arrays
+        try:
+            boxed = ray.get(holder.lookup.remote(todo), timeout=self.timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            placement.forget(local, self._kind)
+            return arrays
+        for path, (ref,) in boxed.items():
+            try:
+                arrays[path] = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
+                continue  # read it from a replica
+            if "/data/" in path:
+                with self._views_lock:
+                    self._views[path] = arrays[path]
+        return arrays
+
+    def _read_remote(self, wanted: dict[str, list[int]], paths, starts, ends, out: list) -> None:
+        """Fill ``out`` for files this node does not hold, from the nearest live copy elsewhere."""
+        with self._views_lock:
+            known = {p: self._sources[p] for p in wanted if p in self._sources}
+        if len(known) < len(wanted):
+            local = placement.local_node()
+            ring = placement.alive_nodes()
+            if local in ring:  # nearest first: the ring order from this node on
+                i = ring.index(local)
+                ring = ring[i + 1:] + ring[:i]
+            held = self._call_all("sizes", sorted(p for p in wanted if p not in known))
+            for path in wanted:
+                if path not in known:
+                    sources = [n for n in ring if path in held.get(n, {})]
+                    known[path] = (sources, next((held[n][path] for n in sources), 0))
+                    if sources and "/data/" in path:  # data files are immutable: remember where they are
+                        with self._views_lock:
+                            self._sources[path] = known[path]
+        for path, idxs in wanted.items():
+            sources, size = known[path]
+            error: BaseException | None = None
+            for node in sources:
+                bounds = [self._bounds(starts[i], ends[i], size) for i in idxs]
+                holder = placement.existing_holders([node], self._kind).get(node)
+                try:
+                    got = ray.get(holder.read_ranges.remote(path, [b[0] for b in bounds], [b[1] for b in bounds]),
+                                  timeout=self.timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                        ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError, AttributeError) as exc:
+                    placement.forget(node, self._kind)
+                    with self._views_lock:
+                        self._sources.pop(path, None)
+                    error = exc
+                    continue
+                if got is None:
+                    continue
+                for i, arr in zip(idxs, got):
+                    out[i] = memoryview(arr)
+                break
+            else:
+                why = self._lost(path) or f"{self._url(path)}: no copy on the cluster's alive nodes"
+                if error is not None:
+                    why += f" (the holders that had one did not answer: {type(error).__name__})"
+                for i in idxs:
+                    out[i] = FileNotFoundError(why)
+
+    def _lost(self, path: str) -> str | None:
+        """Why a file that a committed checkpoint names has no copy left, if one does name it."""
+        meta = f"{self._checkpoint_dir(path)}/{METADATA_NAME}"
+        for nodes in self._call_all("placement_of", meta, path).values():
+            if nodes:
+                return (f"{self._url(path)} has no live copy: the node(s) that held it ({', '.join(nodes)}) left the "
+                        "cluster. Load a checkpoint held elsewhere (a storage tier), or save with more "
+                        "storage_options['replicas']")
+        return None
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        return bytes(self.cat_ranges([path], [start], [end], on_error="raise")[0])
+
+    def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kwargs):
+        path = self._strip_protocol(path)
+        if mode == "rb":
+            return io.BytesIO(self.cat_file(path))
+        if mode in ("wb", "xb"):
+            return MemWriter(self, path)
+        raise ValueError(f"raymem:// files open in 'rb' or 'wb' mode, not {mode!r}")
+
+    # ----------------------------------------------------------------- listing
+
+    def _info(self, path: str, entry: tuple) -> dict:
+        size, created, nodes, held_on = entry
+        return {"name": path, "size": size, "type": "file", "created": created / 1e9,
+                "nodes": list(nodes), "held_on": sorted(held_on)}
+
+    def info(self, path, **kwargs):
+        path = self._strip_protocol(path)
+        self._connect(path)
+        entries = self._entries(path)
+        if path in entries:
+            return self._info(path, entries[path])
+        if not path or any(p.startswith(path + "/") for p in entries):
+            return {"name": path, "size": 0, "type": "directory"}
+        lost = self._lost(path) if "/data/" in path else None
+        if lost:  # not "missing": a committed checkpoint names it, and every node that held it is gone
+            raise CheckpointError(lost)
+        raise FileNotFoundError(self._url(path))
+
+    def ls(self, path, detail=True, **kwargs):
+        path = self._strip_protocol(path)
+        self._connect(path)
+        prefix = f"{path}/" if path else ""
+        entries = self._entries(path)
+        if path in entries and not any(p.startswith(prefix) for p in entries):
+            return [self._info(path, entries[path])] if detail else [path]
+        children: dict[str, dict] = {}
+        for p, e in entries.items():
+            if not p.startswith(prefix):
+                continue
+            head, sep, _ = p[len(prefix):].partition("/")
+            name = prefix + head
+            if sep:
+                children.setdefault(name, {"name": name, "size": 0, "type": "directory"})
+            else:
+                children[name] = self._info(p, e)
+        if not children and path:
+            raise FileNotFoundError(self._url(path))
+        items = [children[k] for k in sorted(children)]
+        return items if detail else [i["name"] for i in items]
+
+    def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+        path = self._strip_protocol(path)
+        self._connect(path)
+        prefix = f"{path}/" if path else ""
+        found = {p: self._info(p, e) for p, e in self._entries(path).items() if p == path or p.startswith(prefix)}
+        if maxdepth is not None:
+            found = {p: i for p, i in found.items() if p[len(prefix):].count("/") < maxdepth}
+        names = sorted(found)
+        return {n: found[n] for n in names} if detail else names
+
+    def makedirs(self, path, exist_ok=False):
+        pass  # no directories: a write creates every parent
+
+    def mkdir(self, path, create_parents=True, **kwargs):
+        pass
+
+    # ----------------------------------------------------------------- removal
+
+    def rm_file(self, path):
+        self.rm([path])
+
+    def _rm(self, path):
+        self.rm([path])
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        paths = [self._strip_protocol(p) for p in (path if isinstance(path, (list, tuple)) else [path])]
+        if not paths:
+            return
+        self._connect(paths[0])
+        metas = [p for p in paths if p.rsplit("/", 1)[-1] == METADATA_NAME]
+        if metas:  # the metadata first: an interrupted removal leaves nothing that looks committed
+            self._call_all("remove", metas)
+        prefixes = [f"{p}/" if p else "" for p in paths] if recursive else []
+        self.close_reads()
+        self._call_all("remove", [p for p in paths if p not in metas], prefixes)
+
+    def usage(self) -> dict[str, dict]:
+        """``{node: {"held": bytes, "reserved": bytes, "files": n}}`` of every alive holder."""
+        placement.ensure_ray("raymem://")
+        return self._call_all("usage")

@@ -1,0 +1,173 @@
+"""The holder: one detached actor per node that owns the bytes of ``raymem://`` files there.
+
+A holder keeps, for every file path it holds, an object in its node's object store that it
+created itself (``ray.put`` in the holder's process), so the object's owner is the holder: the
+bytes outlive the worker that saved them and die only with the holder (its node). Objects are
+numpy ``uint8`` arrays, so a reader on the same node gets them zero-copy.
+
+Protocol of a write (the caller is :class:`raydcp.runtime.memstore.filesystem.RayMemFileSystem`
+in the writing process):
+
+1. :meth:`MemHolder.reserve` on every holder that is to hold a copy: a copy that would push a
+   holder past the node's byte cap is refused *before* any byte moves;
+2. the writer puts the bytes once into its own node's object store and calls :meth:`store` on
+   each holder with that object: the local holder copies it within the node, a replica holder
+   pulls it over the network and puts its own copy (so each replica lives on its own node);
+3. :meth:`release` frees a reservation that was not used (a write that failed elsewhere).
+
+Reads: :meth:`lookup` hands out the (borrowed) object of a file, for zero-copy reads on the node;
+:meth:`read_ranges` serves byte ranges to readers on other nodes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from ...storage._local import publish_atomically
+
+__all__ = ["MemHolder", "FileEntry"]
+
+
+@dataclass
+class FileEntry:
+    ref: Any                 # ObjectRef owned by this holder
+    size: int
+    created_ns: int          # when the writer started the write (one clock: the writer's)
+    nodes: tuple[str, ...]   # every node meant to hold a copy, the writer's first
+    placement: dict | None = None  # metadata only: {file path: nodes} of the files it names
+    local_path: str | None = None  # node-local disk tier: the bytes are in this file on the node (ref is None)
+
+
+class MemHolder:
+    """The files of ``raymem://`` held on one node (a plain class; ``ray.remote`` is applied in
+    :mod:`raydcp.runtime.memstore.placement`)."""
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+        self._files: dict[str, FileEntry] = {}
+        self._reserved: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- accounting
+
+    def _used(self) -> int:
+        return sum(e.size for e in self._files.values()) + sum(self._reserved.values())
+
+    def usage(self) -> dict:
+        with self._lock:
+            return {"node": self.node_id, "held": sum(e.size for e in self._files.values()),
+                    "reserved": sum(self._reserved.values()), "files": len(self._files)}
+
+    def reserve(self, token: str, nbytes: int, cap: int | None) -> dict | None:
+        """Reserve ``nbytes`` for a copy about to be stored; None when granted, else a dict that
+        says what this node holds against ``cap``."""
+        with self._lock:
+            used = self._used()
+            if cap is not None and used + nbytes > cap:
+                return {"node": self.node_id, "used": used, "cap": cap, "need": nbytes}
+            self._reserved[token] = self._reserved.get(token, 0) + nbytes
+            return None
+
+    def release(self, token: str) -> None:
+        with self._lock:
+            self._reserved.pop(token, None)
+
+    # ----------------------------------------------------------------- writes
+
+    def store(self, path: str, boxed: list, size: int, created_ns: int, nodes: tuple, token: str | None) -> str:
+        """Hold a copy of ``boxed[0]`` (an object anywhere in the cluster) as ``path``."""
+        try:
+            value = ray.get(boxed[0])
+            arr = np.asarray(value, dtype=np.uint8).reshape(-1)
+            if arr.nbytes != size:
+                raise ValueError(f"{path}: expected {size} bytes, received {arr.nbytes}")
+            own = ray.put(arr)  # this holder owns the copy now, in its own node's object store
+            del value, arr
+        finally:
+            if token is not None:
+                self.release(token)
+        with self._lock:
+            self._files[path] = FileEntry(own, size, created_ns, tuple(nodes))
+        return self.node_id
+
+    def store_bytes(self, path: str, data: bytes, created_ns: int, nodes: tuple,
+                    placement: dict | None = None) -> str:
+        """Hold a small file (the metadata, with where the files it names were placed) sent by value."""
+        own = ray.put(np.frombuffer(data, dtype=np.uint8))
+        with self._lock:
+            self._files[path] = FileEntry(own, len(data), created_ns, tuple(nodes), placement)
+        return self.node_id
+
+    def register(self, path: str, local_path: str, size: int, created_ns: int, nodes: tuple) -> str:
+        """Record a file of a node-local disk tier, written durably at ``local_path`` on this node."""
+        with self._lock:
+            self._files[path] = FileEntry(None, size, created_ns, tuple(nodes), None, local_path)
+        return self.node_id
+
+    def store_file(self, path: str, local_path: str, data: bytes, created_ns: int, nodes: tuple,
+                   placement: dict | None = None) -> str:
+        """Publish a small file (the metadata) at ``local_path`` on this node's disk, atomically."""
+        publish_atomically(local_path, memoryview(data))
+        with self._lock:
+            self._files[path] = FileEntry(None, len(data), created_ns, tuple(nodes), placement, local_path)
+        return self.node_id
+
+    def placement_of(self, meta_path: str, path: str) -> tuple | None:
+        """The nodes that held ``path`` when the metadata ``meta_path`` committed, if it names it."""
+        with self._lock:
+            entry = self._files.get(meta_path)
+            return None if entry is None or not entry.placement else entry.placement.get(path)
+
+    def remove(self, paths: list[str], prefixes: list[str] = ()) -> int:
+        """Drop ``paths`` and every file under each of ``prefixes`` (ending in "/"); the bytes
+        freed. The objects go when their last reader drops them."""
+        with self._lock:
+            gone = [p for p in paths if p in self._files]
+            if prefixes:
+                gone += [p for p in self._files if any(p.startswith(x) for x in prefixes)]
+            entries = [self._files.pop(p) for p in set(gone)]
+        for e in entries:
+            if e.local_path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(e.local_path)
+        return sum(e.size for e in entries)
+
+    # ----------------------------------------------------------------- reads
+
+    def listing(self, prefix: str) -> dict[str, tuple[int, int, tuple]]:
+        """``{path: (size, created_ns, nodes)}`` of every file whose path starts with ``prefix``."""
+        with self._lock:
+            return {p: (e.size, e.created_ns, e.nodes) for p, e in self._files.items() if p.startswith(prefix)}
+
+    def sizes(self, paths: list[str]) -> dict[str, int]:
+        """``{path: size}`` of the paths held here."""
+        with self._lock:
+            return {p: self._files[p].size for p in paths if p in self._files}
+
+    def lookup(self, paths: list[str]) -> dict[str, list]:
+        """``{path: [object]}`` for the paths held here (boxed, so the caller borrows the object)."""
+        with self._lock:
+            return {p: [self._files[p].ref] for p in paths if p in self._files and self._files[p].ref is not None}
+
+    def read_ranges(self, path: str, starts: list[int], ends: list[int]) -> list[np.ndarray] | None:
+        """Byte ranges of ``path`` (clamped to its size), for a reader on another node."""
+        with self._lock:
+            entry = self._files.get(path)
+        if entry is None:
+            return None
+        if entry.local_path is not None:
+            with open(entry.local_path, "rb") as f:
+                return [np.frombuffer(os.pread(f.fileno(), max(e - s, 0), s), dtype=np.uint8)
+                        for s, e in zip(starts, ends)]
+        arr = ray.get(entry.ref)
+        return [np.array(arr[s:e]) for s, e in zip(starts, ends)]
+
+    def ping(self) -> tuple[str, float]:
+        return self.node_id, time.time()

@@ -1,0 +1,52 @@
+"""raymem:// without a cluster: options checked at construction, the replica ring, URL handling."""
+from __future__ import annotations
+
+import fsspec
+import pytest
+
+import raydcp  # noqa: F401  (registers raymem:// with fsspec)
+from raydcp.errors import CheckpointError
+from raydcp.runtime.memstore.commit import checkpoint_dir
+from raydcp.runtime.memstore.placement import ring_targets
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"replicas": -1}, "replicas"), ({"replicas": 1.5}, "replicas"), ({"keep_last": -2}, "keep_last"),
+    ({"node_cap_bytes": 0}, "node_cap_bytes"), ({"node_cap_bytes": "lots"}, "node_cap_bytes"),
+    ({"timeout_s": 0}, "timeout_s"),
+])
+def test_bad_options_are_refused_naming_the_option(options, key):
+    with pytest.raises(CheckpointError, match=key):
+        fsspec.filesystem("raymem", skip_instance_cache=True, **options)
+
+
+def test_cap_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RAYDCP_MEMSTORE_NODE_CAP_BYTES", "4096")
+    assert fsspec.filesystem("raymem", skip_instance_cache=True).node_cap_bytes == 4096
+    assert fsspec.filesystem("raymem", skip_instance_cache=True, node_cap_bytes=10).node_cap_bytes == 10
+
+
+def test_urls_resolve_to_the_memory_filesystem():
+    fs, path = fsspec.core.url_to_fs("raymem://run-7/step-3/", replicas=2)
+    assert type(fs).__name__ == "RayMemFileSystem" and path == "run-7/step-3" and fs.replicas == 2
+    assert fs.unstrip_protocol(path) == "raymem://run-7/step-3"
+
+
+def test_ring_places_each_copy_on_a_different_node():
+    nodes = ["a", "b", "c", "d"]
+    assert ring_targets("c", nodes, 2, "raymem://x") == ["c", "d", "a"]
+    for local in nodes:
+        for k in range(4):
+            got = ring_targets(local, nodes, k, "raymem://x")
+            assert got[0] == local and len(set(got)) == k + 1
+    # every node holds the same number of replicas: the ring spreads them evenly
+    held = [n for local in nodes for n in ring_targets(local, nodes, 1, "raymem://x")[1:]]
+    assert sorted(held) == nodes
+    with pytest.raises(CheckpointError, match="replicas=4 needs 5 alive nodes"):
+        ring_targets("a", nodes, 4, "raymem://x")
+
+
+def test_checkpoint_dir_of_data_files():
+    assert checkpoint_dir("run/step-1/data/abc/r00000-f000.bin") == "run/step-1"
+    assert checkpoint_dir("run/step-1/data/abc/journal/0.json") == "run/step-1"
+    assert checkpoint_dir("run/step-1/status.json") == "run/step-1"
