@@ -198,7 +198,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     if memory:
         from .memory import memory_root, should_persist
 
-        mem_md = engine.save(state, f"{memory_root(ctx)}/{name}", group=group, storage_options=memory_options)
+        mem_md = api.save(state, f"{memory_root(ctx)}/{name}", group=group, storage_options=memory_options)
         mem_s = time.perf_counter() - t0
         if not should_persist(group_name, persist_every):
             reported = dict(metrics or {})
