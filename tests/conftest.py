@@ -6,8 +6,9 @@ Markers say what a test needs (registered in pyproject.toml): every test that us
 uses ``s3_server`` is marked ``s3``; tests that start Ray or S3 otherwise carry the marker
 themselves (``multinode`` for a cluster of several nodes). Tests marked ``cluster`` (also marked
 ``multinode``) connect this process to a multi-node cluster of their own, which cannot share a
-process with the session's Ray instance: when a run selects both (and tests of the session's Ray), the ``cluster`` tests are
-deselected and the run says how to run them (``make test`` runs them in a second process)."""
+process with the session's Ray instance: when a run without ``-m`` selects them beside tests of
+the session's Ray, they are deselected and the run says how to run them (``make test`` runs them
+in a second process)."""
 import pytest
 
 pytest_plugins = ["tests.fixtures_ray", "tests.fixtures_s3"]
@@ -26,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multinode)
     own = [i for i in items if i.get_closest_marker("cluster") is not None]
     session_ray = any(i.get_closest_marker("ray") is not None and i.get_closest_marker("cluster") is None for i in items)
-    if own and session_ray:
+    if own and session_ray and not config.getoption("markexpr"):  # -m decides where it is given
         config.hook.pytest_deselected(items=own)
         items[:] = [i for i in items if i.get_closest_marker("cluster") is None]
         config._raydcp_cluster_deselected = len(own)
