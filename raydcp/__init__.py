@@ -5,11 +5,12 @@ CheckpointError and its typed subclasses (raydcp.errors), Metadata, ShardGroup,
 and the Ray Train helpers in raydcp.train.
 """
 from .errors import (CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, CheckpointReplacedError,
-                     CoordinatorLostError, RankFailedError, RanksTimedOutError, StateMismatchError, StorageError)
+                     ConcurrentSaveError, CoordinatorLostError, RankFailedError, RanksTimedOutError, StateMismatchError, StorageError)
 from .group import Group
 
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
-           "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "StateMismatchError",
+           "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "ConcurrentSaveError",
+           "StateMismatchError",
            "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
            "Metadata", "ShardGroup", "__version__"]
 __version__ = "0.1.0"

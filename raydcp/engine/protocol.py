@@ -25,7 +25,7 @@ rounds at once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -33,14 +33,15 @@ import numpy as np
 
 from ..errors import CheckpointError, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas
-from ..metadata_format import encode_metadata
+from ..metadata_format import decode_metadata, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
 from ..storage import CheckpointStorage
 from ..storage._common import is_transient
+from ..storage.commits import begin_save, commit_generation, current_generation, prune, remove_save_files
 from ..transport import Transport
 
 __all__ = ["SaveHeader", "StorageRecord", "reduce_plan", "reduce_commit", "tensor_metas", "plan_round",
-           "commit_round", "name_storage_error", "PLAN_STEP", "COMMIT_STEP"]
+           "commit_round", "commit_checkpoint", "name_storage_error", "PLAN_STEP", "COMMIT_STEP"]
 
 PLAN_STEP = "save: plan"
 COMMIT_STEP = "save: commit"
@@ -105,17 +106,28 @@ _FIELDS = ("keys", "offsets", "sizes", "files", "byte_offsets", "nbytes", "crcs"
 
 
 # -- step 1: plan ------------------------------------------------------------------------------
-def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan]) -> list:
-    """On the coordinator: the global plan; per rank ``(RankWritePlan, SaveHeader on rank 0 else None)``."""
+def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan],
+                destination: tuple[str, dict | None] | None = None) -> list:
+    """On the coordinator: the global plan; per rank ``(RankWritePlan, SaveHeader on rank 0 else None)``.
+
+    ``destination`` ``(checkpoint_id, storage_options)``: the save begins there (its id is taken
+    on the path's current commit and recorded, :func:`~raydcp.storage.commits.begin_save`) unless
+    ``options`` fix the save id.
+    """
+    if destination is not None and options.save_id is None:
+        options = replace(options, save_id=begin_save(CheckpointStorage(*destination)))
     gp = plan_save(local_plans, options)
     header = SaveHeader(gp.save_id, gp.world_size, dict(gp.tensors), dict(gp.values))
     return [(gp.ranks[r], header if r == 0 else None) for r in range(gp.world_size)]
 
 
 def plan_round(transport: Transport, local: Any, options: SavePlanOptions = SavePlanOptions(),
-               step: str = PLAN_STEP) -> tuple[RankWritePlan, SaveHeader | None]:
-    """Step 1 on a rank: send ``local`` (a LocalSavePlan or RankFailure), get this rank's plan back."""
-    return transport.reduce_scatter(step, local, partial(reduce_plan, options))
+               step: str = PLAN_STEP, checkpoint_id: str | None = None,
+               storage_options: dict | None = None) -> tuple[RankWritePlan, SaveHeader | None]:
+    """Step 1 on a rank: send ``local`` (a LocalSavePlan or RankFailure), get this rank's plan back.
+    With ``checkpoint_id`` the save begins at that path (see :func:`reduce_plan`)."""
+    destination = None if checkpoint_id is None else (str(checkpoint_id), storage_options)
+    return transport.reduce_scatter(step, local, partial(reduce_plan, options, destination=destination))
 
 
 # -- step 3: commit ----------------------------------------------------------------------------
@@ -130,13 +142,35 @@ def reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Sequ
         tensors=tensor_metas(header.tensors, [records for records, _ in values]),
         values=dict(header.values),
     )
-    storage = CheckpointStorage(checkpoint_id, storage_options)
-    storage.commit(encode_metadata(md))
-    # the files of earlier saves to this path are unreachable now: remove them
-    stale = [f for f in storage.list_files("data/") if not f.startswith(f"data/{header.save_id}/")]
-    if stale:
-        storage.remove_files(stale)
+    commit_checkpoint(CheckpointStorage(checkpoint_id, storage_options), md)
     return [md] * len(values)
+
+
+def commit_checkpoint(storage: CheckpointStorage, md: Metadata, *, own_leftovers: bool = False) -> int:
+    """Commit ``md`` at ``storage`` (compare-and-swap on its commit log), then remove what no
+    commit reaches any more; returns the new generation. ConcurrentSaveError if another save
+    committed since this one began (nothing committed). ``own_leftovers``: also remove the files
+    of this save's own directory that ``md`` does not reference (journal, abandoned rounds)."""
+    replaced = _replaced_save_id(storage)
+    generation = commit_generation(storage, md.save_id, encode_metadata(md))
+    prune(storage, generation, md.save_id, replaced)
+    if own_leftovers:
+        try:
+            remove_save_files(storage, md.save_id.split("/", 1)[0], keep=md.files)
+        except CheckpointError:
+            pass  # garbage for a later commit, not a failed save
+    return generation
+
+
+def _replaced_save_id(storage: CheckpointStorage) -> str | None:
+    """The save id of a checkpoint committed before the path had a commit log (else its saves'
+    records name what to remove)."""
+    if current_generation(storage) != 0 or not storage.is_committed():
+        return None
+    try:
+        return decode_metadata(storage.read_metadata_bytes(), storage.url).save_id
+    except CheckpointError:
+        return None
 
 
 def commit_round(transport: Transport, written: Any, checkpoint_id: str, storage_options: dict | None,
