@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, RankFailure, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas
 from ..metadata_format import decode_metadata, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
@@ -114,8 +114,10 @@ def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan],
     on the path's current commit and recorded, :func:`~raydcp.storage.commits.begin_save`) unless
     ``options`` fix the save id.
     """
-    if destination is not None and options.save_id is None:
-        options = replace(options, save_id=begin_save(CheckpointStorage(*destination)))
+    if destination is not None:
+        local_plans = _same_destination(destination[0], local_plans)
+        if options.save_id is None:
+            options = replace(options, save_id=begin_save(CheckpointStorage(*destination)))
     gp = plan_save(local_plans, options)
     header = SaveHeader(gp.save_id, gp.world_size, dict(gp.tensors), dict(gp.values))
     return [(gp.ranks[r], header if r == 0 else None) for r in range(gp.world_size)]
@@ -126,8 +128,24 @@ def plan_round(transport: Transport, local: Any, options: SavePlanOptions = Save
                storage_options: dict | None = None) -> tuple[RankWritePlan, SaveHeader | None]:
     """Step 1 on a rank: send ``local`` (a LocalSavePlan or RankFailure), get this rank's plan back.
     With ``checkpoint_id`` the save begins at that path (see :func:`reduce_plan`)."""
-    destination = None if checkpoint_id is None else (str(checkpoint_id), storage_options)
+    if checkpoint_id is None:
+        return transport.reduce_scatter(step, local, partial(reduce_plan, options))
+    destination = (str(checkpoint_id), storage_options)
+    if not isinstance(local, RankFailure):  # every rank says where it saves: unrelated saves never mix
+        local = (CheckpointStorage(*destination).url, local)
     return transport.reduce_scatter(step, local, partial(reduce_plan, options, destination=destination))
+
+
+def _same_destination(checkpoint_id: str, values: Sequence[tuple]) -> list:
+    """The ranks' local plans, once every rank named the same checkpoint; else one error naming them."""
+    paths = [v[0] for v in values]
+    if len(set(paths)) > 1:
+        detail = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
+        raise CheckpointError(
+            f"the ranks of one save name different checkpoints ({detail}): every rank of a collective save "
+            "must pass the same checkpoint_id; two unrelated saves may be sharing one Group name; nothing "
+            "was written")
+    return [v[1] for v in values]
 
 
 # -- step 3: commit ----------------------------------------------------------------------------
