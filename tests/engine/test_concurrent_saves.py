@@ -8,7 +8,6 @@ import os
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 
 import raydcp
