@@ -7,12 +7,13 @@ and the Ray Train helpers in raydcp.train.
 import fsspec as _fsspec
 
 from .errors import (CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, CheckpointReplacedError,
-                     CoordinatorLostError, RankFailedError, RanksTimedOutError, StateMismatchError, StorageError)
+                     ConcurrentSaveError, CoordinatorLostError, RankFailedError, RanksTimedOutError, StateMismatchError, StorageError)
 from .group import Group
 from .lazy import lazy_attribute
 
 __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
-           "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "StateMismatchError",
+           "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "ConcurrentSaveError",
+           "StateMismatchError",
            "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
            "Metadata", "ShardGroup", "__version__"]
 __version__ = "0.1.0"

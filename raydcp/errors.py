@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError",
-           "StateMismatchError", "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
+           "ConcurrentSaveError", "StateMismatchError", "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
            "RemoteException", "RankFailure", "user_code"]
 
 
@@ -115,6 +115,23 @@ class CheckpointReplacedError(CheckpointError):
         self.path = path
         self.read_save = read_save
         self.committed_save = committed_save
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another save committed to ``path`` while this one was running: this save lost and committed
+    nothing (its files are removed); the checkpoint at ``path`` is the other save's, complete and
+    loadable. ``save_id`` is this save's id, ``generation`` the commit it was based on. Saving
+    again (after the other save) succeeds; give concurrent writers different paths.
+    """
+
+    retriable = True
+
+    def __init__(self, message: str, *, path: str | None = None, save_id: str | None = None,
+                 generation: int | None = None, failures=None):
+        super().__init__(message, failures)
+        self.path = path
+        self.save_id = save_id
+        self.generation = generation
 
 
 class StateMismatchError(CheckpointError):

@@ -136,6 +136,21 @@ def _is_stateful(x: Any) -> bool:
     return callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
 
 
+def _resolved(t: torch.Tensor, fqn: str, for_load: bool) -> torch.Tensor:
+    """``t``, or for a lazily conjugated or negated view (``t.conj()`` of a complex tensor,
+    ``torch._neg_view``), whose memory does not hold its values: on save a materialised copy
+    (the values it shows are saved); on load a clear refusal (filling its memory in place would
+    store the conjugate or negation of the checkpoint's values)."""
+    if not (t.is_conj() or t.is_neg()):
+        return t
+    what = "a lazily conjugated view (t.conj())" if t.is_conj() else "a lazily negated view"
+    if for_load:
+        raise CheckpointError(
+            f"{fqn}: cannot load in place into {what}: its memory holds other values than it shows; "
+            "load into a plain tensor (t.resolve_conj() / t.resolve_neg()) and assign it")
+    return t.resolve_conj().resolve_neg()
+
+
 def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
     """Flatten ``state_dict`` into tensor leaves and plain values keyed by FQN.
 
@@ -155,6 +170,7 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
         add(fqn)
         if x.layout is not _STRIDED:
             raise CheckpointError(f"{fqn}: {x.layout} tensors are not supported; convert with .to_dense()")
+        x = _resolved(x, fqn, for_load)
         shape = tuple(x.shape)
         tensors[fqn] = TensorLeaf(fqn, x, (0,) * len(shape), shape, dtype_name(x.dtype), True)
 
@@ -168,13 +184,15 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
             whole_tensor(x, fqn)
         elif isinstance(x, Shard):
             add(fqn)
-            tensors[fqn] = TensorLeaf(fqn, x.tensor, x.offsets, x.global_shape, dtype_name(x.tensor.dtype), False)
+            tensors[fqn] = TensorLeaf(fqn, _resolved(x.tensor, fqn, for_load), x.offsets, x.global_shape,
+                                      dtype_name(x.tensor.dtype), False)
         elif isinstance(x, dict):
             prefix = f"{fqn}." if fqn else ""
             for k, v in list(x.items()):
                 if not isinstance(k, (str, int)):
                     raise CheckpointError(f"{fqn or '<root>'}: dict key {k!r} of type {type(k).__name__}; keys must be str or int")
-                if type(v) in _PLAIN_TENSOR_TYPES and v.layout is _STRIDED:  # the common leaf, inline
+                if type(v) in _PLAIN_TENSOR_TYPES and v.layout is _STRIDED and not v.is_neg() and not v.is_conj():
+                    # the common leaf, inline
                     key = f"{prefix}{k}"
                     if key in tensors or key in values:
                         add(key)

@@ -129,12 +129,24 @@ class _ThreadHub:
         self.cond = threading.Condition()
         self.rounds: dict[tuple[int, str], dict[int, Any]] = {}
         self.results: dict[tuple[int, str], list[Any]] = {}
+        self.failed: CheckpointError | None = None  # set once: every later call of the group fails
 
     def rendezvous(self, seq: int, step: str, rank: int, value: Any, combine: Callable[[list[Any]], list[Any]]):
         key = (seq, step)
         deadline = time.monotonic() + self.timeout_s
         with self.cond:
+            if self.failed is not None:
+                return self.failed
             arrived = self.rounds.setdefault(key, {})
+            if rank in arrived:  # a second caller for this rank: the group's operation fails on every rank
+                self.failed = CheckpointError(
+                    f"{step}: rank {rank} arrived twice at call {seq}; two callers use the same rank of one "
+                    "group (two unrelated operations sharing it?), so the operation fails on every rank")
+                for k, got in self.rounds.items():
+                    if k not in self.results:
+                        self.results[k] = [self.failed] * self.world_size
+                self.cond.notify_all()
+                return self.failed
             arrived[rank] = value
             if len(arrived) == self.world_size:
                 self.results[key] = combine([arrived[r] for r in range(self.world_size)])

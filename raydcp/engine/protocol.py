@@ -25,22 +25,23 @@ rounds at once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, RankFailure, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas
-from ..metadata_format import encode_metadata
+from ..metadata_format import decode_metadata, encode_metadata
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
 from ..storage import CheckpointStorage
 from ..storage._common import is_transient
+from ..storage.commits import begin_save, commit_generation, current_generation, prune, remove_save_files
 from ..transport import Transport
 
 __all__ = ["SaveHeader", "StorageRecord", "reduce_plan", "reduce_commit", "tensor_metas", "plan_round",
-           "commit_round", "name_storage_error", "PLAN_STEP", "COMMIT_STEP"]
+           "commit_round", "commit_checkpoint", "name_storage_error", "PLAN_STEP", "COMMIT_STEP"]
 
 PLAN_STEP = "save: plan"
 COMMIT_STEP = "save: commit"
@@ -105,17 +106,46 @@ _FIELDS = ("keys", "offsets", "sizes", "files", "byte_offsets", "nbytes", "crcs"
 
 
 # -- step 1: plan ------------------------------------------------------------------------------
-def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan]) -> list:
-    """On the coordinator: the global plan; per rank ``(RankWritePlan, SaveHeader on rank 0 else None)``."""
+def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan],
+                destination: tuple[str, dict | None] | None = None) -> list:
+    """On the coordinator: the global plan; per rank ``(RankWritePlan, SaveHeader on rank 0 else None)``.
+
+    ``destination`` ``(checkpoint_id, storage_options)``: the save begins there (its id is taken
+    on the path's current commit and recorded, :func:`~raydcp.storage.commits.begin_save`) unless
+    ``options`` fix the save id.
+    """
+    if destination is not None:
+        local_plans = _same_destination(destination[0], local_plans)
+        if options.save_id is None:
+            options = replace(options, save_id=begin_save(CheckpointStorage(*destination)))
     gp = plan_save(local_plans, options)
     header = SaveHeader(gp.save_id, gp.world_size, dict(gp.tensors), dict(gp.values))
     return [(gp.ranks[r], header if r == 0 else None) for r in range(gp.world_size)]
 
 
 def plan_round(transport: Transport, local: Any, options: SavePlanOptions = SavePlanOptions(),
-               step: str = PLAN_STEP) -> tuple[RankWritePlan, SaveHeader | None]:
-    """Step 1 on a rank: send ``local`` (a LocalSavePlan or RankFailure), get this rank's plan back."""
-    return transport.reduce_scatter(step, local, partial(reduce_plan, options))
+               step: str = PLAN_STEP, checkpoint_id: str | None = None,
+               storage_options: dict | None = None) -> tuple[RankWritePlan, SaveHeader | None]:
+    """Step 1 on a rank: send ``local`` (a LocalSavePlan or RankFailure), get this rank's plan back.
+    With ``checkpoint_id`` the save begins at that path (see :func:`reduce_plan`)."""
+    if checkpoint_id is None:
+        return transport.reduce_scatter(step, local, partial(reduce_plan, options))
+    destination = (str(checkpoint_id), storage_options)
+    if not isinstance(local, RankFailure):  # every rank says where it saves: unrelated saves never mix
+        local = (CheckpointStorage(*destination).url, local)
+    return transport.reduce_scatter(step, local, partial(reduce_plan, options, destination=destination))
+
+
+def _same_destination(checkpoint_id: str, values: Sequence[tuple]) -> list:
+    """The ranks' local plans, once every rank named the same checkpoint; else one error naming them."""
+    paths = [v[0] for v in values]
+    if len(set(paths)) > 1:
+        detail = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
+        raise CheckpointError(
+            f"the ranks of one save name different checkpoints ({detail}): every rank of a collective save "
+            "must pass the same checkpoint_id; two unrelated saves may be sharing one Group name; nothing "
+            "was written")
+    return [v[1] for v in values]
 
 
 # -- step 3: commit ----------------------------------------------------------------------------
@@ -130,13 +160,35 @@ def reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Sequ
         tensors=tensor_metas(header.tensors, [records for records, _ in values]),
         values=dict(header.values),
     )
-    storage = CheckpointStorage(checkpoint_id, storage_options)
-    storage.commit(encode_metadata(md))
-    # the files of earlier saves to this path are unreachable now: remove them
-    stale = [f for f in storage.list_files("data/") if not f.startswith(f"data/{header.save_id}/")]
-    if stale:
-        storage.remove_files(stale)
+    commit_checkpoint(CheckpointStorage(checkpoint_id, storage_options), md)
     return [md] * len(values)
+
+
+def commit_checkpoint(storage: CheckpointStorage, md: Metadata, *, own_leftovers: bool = False) -> int:
+    """Commit ``md`` at ``storage`` (compare-and-swap on its commit log), then remove what no
+    commit reaches any more; returns the new generation. ConcurrentSaveError if another save
+    committed since this one began (nothing committed). ``own_leftovers``: also remove the files
+    of this save's own directory that ``md`` does not reference (journal, abandoned rounds)."""
+    replaced = _replaced_save_id(storage)
+    generation = commit_generation(storage, md.save_id, encode_metadata(md))
+    prune(storage, generation, md.save_id, replaced)
+    if own_leftovers:
+        try:
+            remove_save_files(storage, md.save_id.split("/", 1)[0], keep=md.files)
+        except CheckpointError:
+            pass  # garbage for a later commit, not a failed save
+    return generation
+
+
+def _replaced_save_id(storage: CheckpointStorage) -> str | None:
+    """The save id of a checkpoint committed before the path had a commit log (else its saves'
+    records name what to remove)."""
+    if current_generation(storage) != 0 or not storage.is_committed():
+        return None
+    try:
+        return decode_metadata(storage.read_metadata_bytes(), storage.url).save_id
+    except CheckpointError:
+        return None
 
 
 def commit_round(transport: Transport, written: Any, checkpoint_id: str, storage_options: dict | None,

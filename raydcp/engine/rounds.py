@@ -6,8 +6,9 @@ written in rounds, each holding a bounded part of the state. The protocol:
 Steps 1 (plan) and 2 (write) of the save protocol (:mod:`raydcp.engine.protocol`) run once per
 round; the commit step runs once, for all rounds:
 
-1. the driver picks the checkpoint's save id ``base`` (:func:`new_save_id`, or the one a
-   :class:`RoundJournal` resumes);
+1. the driver picks the checkpoint's save id ``base`` (a :class:`RoundJournal` begins a new save
+   at the path, :func:`~raydcp.storage.commits.begin_save`, or resumes one begun on the current
+   commit);
 2. for each round ``i``, every rank of a transport calls :func:`write_round` with the pieces
    of this round only. The coordinator plans the round with ``plan_save`` (validation, replicas
    written once, bytes balanced) under the round's own save id ``<base>/<i>``, so its files
@@ -17,8 +18,10 @@ round; the commit step runs once, for all rounds:
    :class:`RoundRecords` (the other ranks get None). The driver may journal them
    (:meth:`RoundJournal.record`) so that a rerun skips the round;
 3. after the last round the driver calls :func:`commit_rounds` once: it checks that the rounds
-   together tile every tensor exactly, writes the metadata atomically and last, then removes
-   every data file the new metadata does not reference (earlier saves, journal, leftovers).
+   together tile every tensor exactly, commits the metadata last with a compare-and-swap on the
+   path's commit log (ConcurrentSaveError if another save committed since the journal began),
+   then removes the replaced save's files and this save's journal and leftovers: nothing that
+   raydcp did not write (a failed round removes its own files before it raises).
 
 Until step 3 no reader sees anything new: a failure before the commit leaves the previously
 committed checkpoint at that path (if any) intact and loadable.
@@ -37,14 +40,14 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import CheckpointError, RankFailure
 from ..metadata import ChunkMeta, Metadata, TensorMeta
-from ..metadata_format import encode_metadata
 from ..planner import SavePlanOptions, TensorSpec
 from ..planner.tiling import piece_problems
 from ..state import flatten_state
 from ..storage import CheckpointStorage
+from ..storage.commits import begin_save, current_generation, save_generation
 from ..transport import Transport
-from .protocol import StorageRecord, name_storage_error, plan_round
-from .save import local_save_plan, write_rank_files
+from .protocol import StorageRecord, commit_checkpoint, name_storage_error, plan_round
+from .save import discard_after_failure, local_save_plan, write_rank_files
 
 __all__ = ["RoundRecords", "new_save_id", "round_save_id", "write_round", "commit_rounds", "RoundJournal"]
 
@@ -117,11 +120,16 @@ def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: 
         local = RankFailure.from_exception(rank, exc)
     options = SavePlanOptions(save_id=save_id, max_file_bytes=max_file_bytes)
     plan, header = plan_round(transport, local, options, step="round: plan")
+    storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(CheckpointStorage(checkpoint_id, storage_options), plan, staged), header)
+        written: Any = (write_rank_files(storage, plan, staged), header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
-    return transport.reduce_scatter("round: written", written, _reduce_round_records)
+    try:
+        return transport.reduce_scatter("round: written", written, _reduce_round_records)
+    except CheckpointError as exc:  # this round's files only: earlier rounds stay for a resume
+        discard_after_failure(storage, [plan], exc)
+        raise
 
 
 def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Sequence[RoundRecords],
@@ -165,14 +173,9 @@ def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Seq
         values=dict(values or {}),
         extra=dict(extra or {}),
     )
-    storage = CheckpointStorage(checkpoint_id, storage_options)
-    storage.commit(encode_metadata(md))
-    # earlier saves to this path, the journal, files of a round attempt that did not finish: all
-    # unreachable now
-    keep = set(md.files)
-    stale = [f for f in storage.list_files("data/") if f not in keep]
-    if stale:
-        storage.remove_files(stale)
+    # a compare-and-swap on the path's commit log; then the replaced save's files, this save's
+    # journal and the files of round attempts that did not finish go (nothing raydcp did not write)
+    commit_checkpoint(CheckpointStorage(checkpoint_id, storage_options), md, own_leftovers=True)
     return md
 
 
@@ -199,9 +202,12 @@ class RoundJournal:
         self.job = json.loads(json.dumps(job, sort_keys=True))
         self.done: dict[int, RoundRecords] = {}
         self.save_id = None
+        # only a journal begun on the current commit can still commit (see raydcp.storage.commits)
+        generation = current_generation(self.storage)
         for name in self.storage.list_files("data/"):
             parts = name.split("/")
-            if len(parts) == 4 and parts[2] == "journal" and parts[3] == "job.json":
+            if len(parts) == 4 and parts[2] == "journal" and parts[3] == "job.json" \
+                    and save_generation(parts[1]) == generation:
                 try:
                     found = json.loads(self.storage.read_file(name))
                 except (CheckpointError, ValueError):
@@ -212,7 +218,7 @@ class RoundJournal:
                     break
         self.resumed = self.save_id is not None
         if self.save_id is None:
-            self.save_id = new_save_id()
+            self.save_id = begin_save(self.storage)
 
     def _dir(self) -> str:
         return f"data/{self.save_id}/journal"

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import ctypes
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import crc32c
 import numpy as np
 import torch
 
 from ..codec import checksum, combine_block_checksums
-from ..errors import RankFailure
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..metadata import BLOCK_BYTES, Metadata
 from ..options import DEFAULT_IO
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem
@@ -225,9 +225,36 @@ def save_with(
         local = staged.plan
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
-    plan, header = plan_round(transport, local, options)
+    plan, header = plan_round(transport, local, options, checkpoint_id=checkpoint_id, storage_options=storage_options)
+    storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(CheckpointStorage(checkpoint_id, storage_options), plan, staged), header)
+        written: Any = (write_rank_files(storage, plan, staged), header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
-    return commit_round(transport, written, checkpoint_id, storage_options)
+    try:
+        return commit_round(transport, written, checkpoint_id, storage_options)
+    except CheckpointError as exc:
+        discard_after_failure(storage, [plan], exc)
+        raise
+
+
+def rank_file_names(plan: RankWritePlan) -> list[str]:
+    """The data files a rank's write plan names (whether or not they were written yet)."""
+    return [name for name, _, _ in _file_layouts(plan.files)]
+
+
+def discard_after_failure(storage: CheckpointStorage, plans: Iterable[RankWritePlan | None],
+                          error: BaseException) -> None:
+    """A save failed on this rank after planning: remove the files its ``plans`` name, so a
+    failed save (a full disk, a lost race) leaves nothing behind and the next save has the room.
+
+    Not where the coordinator was lost (it may have committed before it went): the next save to
+    the path removes the files then, if they are garbage. Best effort: never hides ``error``.
+    """
+    if isinstance(error, CoordinatorLostError):
+        return
+    names = [n for plan in plans if plan is not None for n in rank_file_names(plan)]
+    try:
+        storage.remove_files(names)
+    except Exception:
+        pass

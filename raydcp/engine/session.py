@@ -27,7 +27,7 @@ from ..planner.save import ALIGN
 from ..storage import CheckpointStorage
 from ..transport import Transport
 from .protocol import SaveHeader, StorageRecord, commit_round, name_storage_error, plan_round
-from .save import StagedState, write_rank_files
+from .save import StagedState, discard_after_failure, write_rank_files
 
 __all__ = ["PersistSession", "batches", "plan_options"]
 
@@ -76,7 +76,9 @@ class PersistSession:
     def begin(self) -> list[list[int]]:
         """Step 1: the plan round; returns the plan items of each batch (in staging order)."""
         try:
-            self.plan, self.header = plan_round(self.transport, self.local_plan, plan_options(self.cap))
+            self.plan, self.header = plan_round(self.transport, self.local_plan, plan_options(self.cap),
+                                                checkpoint_id=self.checkpoint_id,
+                                                storage_options=self.storage_options)
         except BaseException as exc:
             self.plan_error = exc
             raise
@@ -111,4 +113,8 @@ class PersistSession:
         if self.plan_error is not None:
             raise self.plan_error
         value: Any = self.failure if self.failure is not None else (StorageRecord.concat(self.records), self.header)
-        return commit_round(self.transport, value, self.checkpoint_id, self.storage_options)
+        try:
+            return commit_round(self.transport, value, self.checkpoint_id, self.storage_options)
+        except CheckpointError as exc:
+            discard_after_failure(CheckpointStorage(self.checkpoint_id, self.storage_options), [self.plan], exc)
+            raise

@@ -30,6 +30,7 @@ from ..engine.load import read_metadata
 from ..engine.rounds import RoundJournal, RoundRecords, commit_rounds, round_save_id
 from ..errors import CheckpointError
 from ..storage import CheckpointStorage
+from ..storage.commits import LOG_DIR
 from ..transport import ThreadTransport
 from .plan import ReshardOptions, ReshardPlan, plan_reshard
 from .rank import RoundTask, release_round_memory, return_freed_memory, run_round
@@ -134,7 +135,7 @@ def _check_destination(src_url: str, dst: CheckpointStorage, plan: ReshardPlan, 
                 f"{dst.url} already holds {what} (save id {md.save_id}), not this reshard of {src_url}; pass "
                 "--overwrite to replace it (it stays loadable until the new one commits)")
         return None
-    foreign = [f for f in dst.list_files() if not f.startswith("data/")]
+    foreign = [f for f in dst.list_files() if not f.startswith(("data/", f"{LOG_DIR}/"))]
     if foreign and not overwrite:
         raise CheckpointError(f"{dst.url} holds files that are not part of a raydcp checkpoint ({', '.join(foreign[:3])}"
                               f"{', ...' if len(foreign) > 3 else ''}); choose an empty destination or pass --overwrite")

@@ -63,6 +63,9 @@ class CoordinatorHost:
         self.creator_rank = creator_rank
         self.ops: dict[int, Coordinator] = {}
         self.failed: dict[int, tuple[str, float]] = {}
+        # operations that completed -> until when a late call to them is refused (a second caller
+        # for a rank must not start the operation again with the other callers)
+        self.completed: dict[int, float] = {}
         self._memo: tuple | None = None  # (operation, last reply object, its Wire), until the operation ends
 
     def _get(self, op, world_size: int, timeout_s: float) -> Coordinator:
@@ -78,8 +81,19 @@ class CoordinatorHost:
         return op if isinstance(op, tuple) else (self.group_name, op)
 
     def _ended(self, op: int, rank: int, step: str):
+        if op in self.ops:
+            return None
+        done_until = self.completed.get(op)
+        if done_until is not None:
+            if time.monotonic() <= done_until:
+                name, number = self._named(op)
+                return self.creator_rank, CheckpointError(
+                    f"{step}: operation {number} of group '{name}' already completed, with another caller for "
+                    f"rank {rank}: two callers use the same rank (two unrelated saves or loads sharing one Group "
+                    "name?); give each operation its own Group name")
+            del self.completed[op]
         entry = self.failed.get(op)
-        if entry is None or op in self.ops:
+        if entry is None:
             return None
         msg, until = entry
         if time.monotonic() > until:
@@ -147,6 +161,12 @@ class CoordinatorHost:
     def drop(self, op: int, coord: Coordinator) -> None:
         if self.ops.get(op) is coord:
             del self.ops[op]
+            if coord._failed is None:
+                now = time.monotonic()
+                self.completed[op] = now + coord.timeout_s
+                if len(self.completed) > 64:  # forget what expired
+                    for k in [k for k, until in self.completed.items() if until < now]:
+                        del self.completed[k]
         if self._memo is not None and self._memo[0] == op:
             self._memo = None
 

@@ -105,6 +105,7 @@ class Coordinator:
         self._seen: set[int] = set()  # ranks that made at least one call
         self._closed: dict[int, str] = {}  # rank -> last step it took part in
         self._last_step: dict[int, str] = {}
+        self._last_seq: dict[int, int] = {}  # rank -> the last call it made (calls are numbered 1, 2, ...)
         self._failed: CheckpointError | None = None
         self._finished = False
 
@@ -166,6 +167,16 @@ class Coordinator:
         if self._failed is not None:
             return self.creator_rank, self._failed
 
+        if seq <= self._last_seq.get(rank, 0):
+            # this rank already took part in call ``seq`` (a round that may have completed): a
+            # second caller uses the rank. Fail the operation on every rank, never mix the two.
+            self._fail(CheckpointError(
+                f"{step}: rank {rank} of group '{self.group_name}' (operation {self.op}) arrived twice at call "
+                f"{seq}; two callers use the same rank (two unrelated saves or loads sharing one Group name?), "
+                f"so the operation fails on every rank; give each operation its own Group name"
+            ))
+            return self.creator_rank, self._failed
+        self._last_seq[rank] = seq
         rnd = self._rounds.get(seq)
         if rnd is None:
             rnd = self._rounds[seq] = _Round(seq, kind, step, reduce_fn)

@@ -53,6 +53,29 @@ def publish_atomically(path: str, data: memoryview) -> None:
     fsync_dir(directory)
 
 
+def create_exclusive(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data``, durably, failing with FileExistsError if it exists.
+
+    ``O_CREAT | O_EXCL`` makes the creation atomic: of several processes creating the same
+    name, exactly one succeeds. A failed write removes the file it created.
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
+    os.close(fd)
+    fsync_dir(directory)
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename in ``directory`` durable, where the platform can open a directory."""
     try:

@@ -31,6 +31,10 @@ __all__ = ["CheckpointStorage"]
 # every "parent". Other remote filesystems (sftp, hdfs, ...) get makedirs before a write.
 _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
 
+# Filesystems whose pipe_file(mode="create") is an exclusive creation: s3fs sends a conditional
+# put (If-None-Match: *), fsspec's memory filesystem checks and creates in one call of one process.
+_EXCLUSIVE_CREATE = frozenset({"s3", "s3a", "memory"})
+
 
 class CheckpointStorage:
     """One checkpoint directory on any fsspec filesystem (local path, file://, memory://, s3://, ...).
@@ -55,6 +59,7 @@ class CheckpointStorage:
         self.storage_options: dict = dict(storage_options or {})
         self._local = is_local(self.fs)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._protocols = frozenset(protocols)
         self._needs_mkdir = not self._local and not _FLAT_PROTOCOLS.intersection(protocols)
         self._made_dirs: set[str] = set()
         self._fds: dict[str, tuple[int, int]] = {}  # local data files kept open by read_into
@@ -155,6 +160,38 @@ class CheckpointStorage:
                 self._ensure_dir(self.path)
                 self.fs.pipe_file(final, bytes(data))
                 forget(self.fs, final)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create ``name`` holding ``data`` only if no file of that name exists (FileExistsError if
+        one does). Returns True where the filesystem makes the creation itself exclusive: local
+        files (``O_CREAT | O_EXCL``, fsynced), and filesystems whose ``pipe_file`` takes
+        ``mode="create"`` (fsspec's memory filesystem; s3fs, as a conditional put with
+        ``If-None-Match: *``). Elsewhere it checks that the file is absent, then writes it, and
+        returns False: two callers may both succeed, so the caller must read the file back.
+        """
+        path = self._full(name)
+        data = bytes(byte_view(data))
+        exists = False
+        with translating("create", self.file_url(name)):
+            try:
+                return self._create_exclusive(path, data)
+            except FileExistsError:
+                exists = True
+        assert exists
+        raise FileExistsError(self.file_url(name))
+
+    def _create_exclusive(self, path: str, data: bytes) -> bool:
+        if self._local:
+            _local.create_exclusive(path, data)
+            return True
+        self._ensure_dir(path.rsplit("/", 1)[0])
+        forget(self.fs, path)
+        try:
+            # fsspec's default pipe_file(mode="create") checks, then writes: not exclusive
+            self.fs.pipe_file(path, data, mode="create")
+        finally:
+            forget(self.fs, path)
+        return bool(_EXCLUSIVE_CREATE.intersection(self._protocols))
 
     # ----------------------------------------------------------------- reads
 

@@ -30,9 +30,10 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def files_of(url: str, options=None) -> dict[str, bytes]:
-    """Every file of a copy (data, metadata, record excluded), by name."""
+    """Every file of a copy (data, metadata; the status record and the path's own commit log,
+    ``_raydcp/``, excluded), by name."""
     s = CheckpointStorage(url, options)
-    return {n: s.read_file(n) for n in s.list_files() if n != "raydcp.status.json"}
+    return {n: s.read_file(n) for n in s.list_files() if n != "raydcp.status.json" and not n.startswith("_raydcp/")}
 
 
 def flip_a_byte(path: str) -> None:

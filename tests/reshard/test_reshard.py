@@ -184,7 +184,7 @@ def test_reshard_is_bit_exact(tmp_path, src, full, options):
     md = raydcp.read_metadata(dst)
     assert md.extra["reshard"]["source_save_id"] == raydcp.read_metadata(src).save_id
     assert md.extra["reshard"]["options"] == options.identity()
-    assert set(os.listdir(dst)) == {"raydcp.meta", "data"}
+    assert set(os.listdir(dst)) == {"raydcp.meta", "data", "_raydcp"}  # _raydcp: the commit log
     assert not [f for f in Path(dst, "data").rglob("*") if f.is_file() and f.suffix != ".bin"]  # journal gone
     assert cli_main(["verify", dst]) == 0
 
@@ -230,7 +230,7 @@ def test_half_written_destination_is_taken_over(tmp_path, src, full):
     # a different job that died before its commit: data files and a journal, no metadata
     with pytest.raises(CheckpointError, match="injected"):
         reshard_with(lambda: FailingExecutor(2, fail_at=0), "sum", src, dst, ReshardOptions(world_size=2, dtype="bf16"))
-    assert os.listdir(dst) == ["data"]
+    assert sorted(os.listdir(dst)) == ["_raydcp", "data"]  # no metadata: nothing committed
     options = ReshardOptions(world_size=2)
     result = reshard(src, dst, options)  # no --overwrite needed: nothing was committed
     assert result.resumed_rounds == 0
@@ -299,3 +299,27 @@ def test_reshard_to_and_from_s3(s3_server, src, full, tmp_path):
     reshard(dst, back, ReshardOptions(world_size=2), src_storage_options=opts)  # and back from S3
     assert_resharded(back, full, ReshardOptions(world_size=2))
     assert reshard(src, dst, options, dst_storage_options=opts).noop
+
+
+def test_reshard_without_overwrite_keeps_files_raydcp_did_not_write(tmp_path, src, full):
+    """Item: the commit removed every file under data/ that the new metadata did not reference."""
+    dst = tmp_path / "proj"
+    (dst / "data" / "notes").mkdir(parents=True)
+    (dst / "data" / "labels.csv").write_text("id,label\n1,cat\n")
+    (dst / "data" / "notes" / "r00000-f000.bin").write_bytes(b"not raydcp's")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.bin").write_bytes(b"behind a symlink")
+    os.symlink(outside, dst / "data" / "linked")
+    options = ReshardOptions(world_size=3)
+    reshard(src, str(dst), options)
+    assert_resharded(str(dst), full, options)
+    reshard(src, str(dst), ReshardOptions(world_size=2), overwrite=True)  # replacing our own checkpoint
+    assert_resharded(str(dst), full, ReshardOptions(world_size=2))
+    assert (dst / "data" / "labels.csv").read_text() == "id,label\n1,cat\n"
+    assert (dst / "data" / "notes" / "r00000-f000.bin").read_bytes() == b"not raydcp's"
+    assert (outside / "keep.bin").read_bytes() == b"behind a symlink"
+    md = raydcp.read_metadata(str(dst))
+    ours = {str(p.relative_to(dst)) for p in (dst / "data").rglob("*.bin") if p.is_file() and "notes" not in p.parts
+            and "linked" not in p.parts}
+    assert ours == set(md.files)  # the first reshard's files went with the metadata that named them

@@ -222,3 +222,37 @@ def test_host_decodes_wire_values_and_encodes_a_shared_reply_once():
         assert all(isinstance(e, CheckpointError) and "rank 1" in str(e) and "decoded" in str(e) for e in errs)
 
     run(main())
+
+
+def test_a_second_caller_for_a_rank_fails_the_operation_on_every_rank_even_after_its_round_completed():
+    """Two unrelated saves share a Group name: X's rank 0 and Y's rank 1 complete call 1 together;
+    when Y's rank 0 arrives at call 1 the operation fails on every rank, before anything mixes further."""
+    async def main():
+        c = Coordinator("shared", 0, 2, timeout_s=5)
+        assert await rs_all(c, 1, "save: plan", ["x0", "y1"], gather_all) == [["x0", "y1"]] * 2
+        _, err = await c.reduce_scatter(0, 2, 1, "save: plan", "y0", gather_all)
+        assert isinstance(err, CheckpointError) and "arrived twice at call 1" in str(err)
+        out = await rs_all(c, 2, "save: commit", ["x0", "y1"], gather_all)  # the first callers go on
+        assert all(isinstance(e, CheckpointError) and "arrived twice" in str(e) for e in out)
+
+    run(main())
+
+
+def test_host_refuses_a_late_caller_of_an_operation_that_already_completed():
+    from raydcp.runtime.actors import CoordinatorHost
+    from raydcp.transport import decode
+
+    async def main():
+        host = CoordinatorHost("shared", 0)
+        replies = await asyncio.gather(*(host.reduce_scatter(1, 5.0, r, 2, 1, "save: plan", r, gather_all)
+                                         for r in range(2)))
+        assert [decode(v) for _, v in replies] == [[0, 1]] * 2
+        assert [await host.close(1, r) for r in range(2)] == [False, True]
+        # the other save's callers of operation 1 come late: refused, not run as operation 1 again
+        replies = await asyncio.gather(*(host.reduce_scatter(1, 5.0, r, 2, 1, "save: plan", r, gather_all)
+                                         for r in range(2)))
+        errs = [v for _, v in replies]
+        assert all(isinstance(e, CheckpointError) and "already completed" in str(e) for e in errs)
+        assert host.ops == {}
+
+    run(main())

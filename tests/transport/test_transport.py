@@ -305,3 +305,57 @@ def test_prepare_starts_the_host_that_the_first_operation_then_uses(ray_session)
     assert results == [[1, 2], [1, 2]]
     assert actors._HOSTS[name]._actor_id == host._actor_id  # the prepared host ran the operation
     actors.end_group(name)
+
+
+def test_thread_transport_second_caller_for_a_rank_fails_every_rank():
+    import threading
+
+    from raydcp.transport import ThreadTransport
+
+    x0, y1 = ThreadTransport.group(2, timeout_s=10)
+    y0 = ThreadTransport(x0._hub, 0)  # a second caller for rank 0 on the same group
+    out: dict[str, object] = {}
+
+    def call(name, t, value, seq_steps):
+        try:
+            for step in seq_steps:
+                out[name] = t.reduce_scatter(step, value, gather_all)
+        except CheckpointError as exc:
+            out[name] = exc
+
+    # X0 and Y1 complete the plan step together; Y0 then arrives at the same call
+    a = threading.Thread(target=call, args=("x0", x0, "x0", ["plan"]))
+    b = threading.Thread(target=call, args=("y1", y1, "y1", ["plan"]))
+    a.start(), b.start(), a.join(), b.join()
+    assert out["x0"] == out["y1"] == ["x0", "y1"]
+    call("y0", y0, "y0", ["plan"])
+    assert isinstance(out["y0"], CheckpointError) and "arrived twice" in str(out["y0"])
+    # the first callers' next step fails on every rank instead of committing a mix
+    a = threading.Thread(target=call, args=("x0", x0, "x0", ["commit"]))
+    b = threading.Thread(target=call, args=("y1", y1, "y1", ["commit"]))
+    a.start(), b.start(), a.join(), b.join()
+    assert all(isinstance(out[k], CheckpointError) and "arrived twice" in str(out[k]) for k in ("x0", "y1"))
+
+
+def test_ranks_of_one_save_naming_different_checkpoints_fail_together(tmp_path):
+    import threading
+
+    from raydcp.engine.save import save_with
+    from raydcp.transport import ThreadTransport
+
+    transports = ThreadTransport.group(2, timeout_s=30)
+    errors: list = [None, None]
+
+    def rank(r):
+        try:
+            save_with(transports[r], {"w": torch.full((2,), float(r))}, str(tmp_path / f"ck{r}"))
+        except CheckpointError as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(e is not None and "name different checkpoints" in str(e) for e in errors)
+    assert not any((tmp_path / f"ck{r}").exists() and any((tmp_path / f"ck{r}").rglob("*.bin")) for r in range(2))

@@ -1,0 +1,182 @@
+"""The commit log of one checkpoint path: generations, a compare-and-swap commit, and what a path owns.
+
+Why: several processes may save to one path at once, and a checkpoint directory may hold files
+that are not raydcp's (``data/labels.csv``), or a ``data/`` shared with another checkpoint. A
+save must never delete what it did not write, and of two saves racing to one path exactly one
+may commit. The log lives beside the metadata, in ``_raydcp/``, and uses three fsspec calls
+only: ``pipe_file(mode="create")`` (exclusive creation), ``find`` (listing) and ``rm``.
+
+Files (relative to the checkpoint directory):
+
+- ``_raydcp/gen-<n>.meta``: commit ``n`` (1, 2, ...), holding the metadata it committed. It is
+  created exclusively: of two saves based on the same generation, one creates ``n`` and the
+  other fails with :class:`~raydcp.errors.ConcurrentSaveError`.
+- ``_raydcp/begun-<save_id>``: written (empty) when a save starts, before any data file: this
+  path owns ``data/<save_id>/``. Only directories named by such a record (or by the metadata a
+  commit replaces) are ever removed, and only files in them that follow raydcp's own naming.
+
+Protocol (who calls what):
+
+1. at the plan step, the coordinator calls :func:`begin_save`: the current generation ``g`` is
+   part of the new save id (``g<g>-<hex>``) and the ``begun`` record is written;
+2. ranks write ``data/<save_id>/...``;
+3. the coordinator calls :func:`commit_generation`: checks that the current generation is still
+   ``g``, creates ``gen-<g+1>.meta`` exclusively, then publishes the same bytes as the metadata
+   file (re-publishing the newest generation if a later commit raced the publish), so the
+   metadata file always ends as the newest commit's;
+4. :func:`prune` removes what can no longer be committed or read: saves begun on a generation
+   older than the new one (crashed, failed or lost saves), the replaced save's files, older
+   generation files. A failed save removes its own files before it returns
+   (:func:`remove_save_files`).
+
+Guarantee per backend: local disks (``O_EXCL``) and s3 (conditional put) serialise commits
+exactly. fsspec's memory filesystem does within one process. On other filesystems the creation
+is a check then a write, verified by reading it back: a race inside that window can let both
+saves believe they won, and the metadata then ends as one of them, complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import secrets
+from typing import Iterable
+
+from ..errors import CheckpointError, ConcurrentSaveError
+
+__all__ = ["LOG_DIR", "begin_save", "save_generation", "current_generation", "commit_generation", "prune",
+           "remove_save_files", "owned_file", "begun_saves"]
+
+LOG_DIR = "_raydcp"
+_GEN = re.compile(r"^_raydcp/gen-(\d{12})\.meta$")
+_BEGUN = re.compile(r"^_raydcp/begun-(g\d+-[0-9a-f]{12})$")
+_SAVE_ID = re.compile(r"^g(\d+)-[0-9a-f]{12}$")
+_LEGACY_SAVE_ID = re.compile(r"^[0-9a-f]{16}$")  # save ids before the commit log
+# the files raydcp writes in data/<save_id>/: rank files, round files, the round journal
+_OWN_FILE = re.compile(r"^(?:\d{5}/)?r\d{5}-f\d{3}\.bin$|^journal/(?:job|\d{5})\.json$")
+_KEEP_GENERATIONS = 2
+
+
+def _gen_name(n: int) -> str:
+    return f"{LOG_DIR}/gen-{n:012d}.meta"
+
+
+def save_generation(save_id: str) -> int | None:
+    """The generation a save was begun on, from its id (None for ids not made by :func:`begin_save`)."""
+    m = _SAVE_ID.match(save_id.split("/", 1)[0])
+    return int(m.group(1)) if m else None
+
+
+def _log(storage) -> list[str]:
+    return storage.list_files(LOG_DIR + "/")
+
+
+def _generations(names: Iterable[str]) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_GEN.match, names) if m)
+
+
+def current_generation(storage) -> int:
+    """The newest commit's generation at this path (0: none under the commit log yet)."""
+    gens = _generations(_log(storage))
+    return gens[-1] if gens else 0
+
+
+def begun_saves(storage) -> list[str]:
+    """The ids of the saves begun at this path whose records remain."""
+    return [m.group(1) for m in map(_BEGUN.match, _log(storage)) if m]
+
+
+def begin_save(storage) -> str:
+    """Step 1: a new save id on the current generation, recorded as this path's before any write."""
+    save_id = f"g{current_generation(storage)}-{secrets.token_hex(6)}"
+    storage.write_file(f"{LOG_DIR}/begun-{save_id}", b"")
+    return save_id
+
+
+def _lost(storage, save_id: str, base: int, now: int) -> ConcurrentSaveError:
+    return ConcurrentSaveError(
+        f"another save committed to {storage.url} while save {save_id} was running (it began on commit "
+        f"{base}, the path is now at commit {now}): this save committed nothing and its files are removed; "
+        "the checkpoint there is the other save's, complete. Save again, or give concurrent writers "
+        "different paths", path=storage.url, save_id=save_id, generation=base)
+
+
+def commit_generation(storage, save_id: str, metadata: bytes) -> int:
+    """Step 3: commit ``metadata`` as the next generation after the one ``save_id`` began on.
+
+    Raises ConcurrentSaveError (nothing committed) if another save committed since. Returns the
+    new generation. A failure to publish the metadata file after the generation file was created
+    removes the generation file again, so the commit did not happen.
+    """
+    base = save_generation(save_id)
+    now = current_generation(storage)
+    if base is None:  # a save id chosen by the caller: no begin step, commit on whatever is current
+        base = now
+    if now != base:
+        raise _lost(storage, save_id, base, now)
+    n = base + 1
+    name = _gen_name(n)
+    try:
+        exclusive = storage.create_exclusive(name, metadata)
+    except FileExistsError:
+        raise _lost(storage, save_id, base, n) from None
+    if not exclusive and storage.read_file(name) != bytes(metadata):
+        raise _lost(storage, save_id, base, n)
+    try:
+        storage.commit(metadata)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            storage.remove_files([name])
+        raise
+    _settle(storage, n)
+    return n
+
+
+def _settle(storage, published: int) -> None:
+    """Make the metadata file the newest generation's: a later commit may have published before us."""
+    for _ in range(100):
+        newest = current_generation(storage)
+        if newest <= published:
+            return
+        storage.commit(storage.read_file(_gen_name(newest)))
+        published = newest
+
+
+def owned_file(save_id: str, name: str) -> bool:
+    """True if ``name`` is a file raydcp writes for save ``save_id`` (``data/<save_id>/r00000-f000.bin`` ...)."""
+    prefix = f"data/{save_id}/"
+    return name.startswith(prefix) and bool(_OWN_FILE.match(name[len(prefix):]))
+
+
+def remove_save_files(storage, save_id: str, keep: Iterable[str] = ()) -> None:
+    """Remove the files of ``data/<save_id>/`` that raydcp's naming says are its own, except ``keep``."""
+    if not (_SAVE_ID.match(save_id) or _LEGACY_SAVE_ID.match(save_id)):
+        return  # not a save id raydcp makes: never delete by it
+    keep = set(keep)
+    names = [n for n in storage.list_files(f"data/{save_id}/") if owned_file(save_id, n) and n not in keep]
+    if names:
+        storage.remove_files(names)
+
+
+def prune(storage, generation: int, save_id: str, replaced_save_id: str | None = None) -> None:
+    """Step 4, after commit ``generation`` of ``save_id``: remove the files no commit can reach.
+
+    - saves begun on an older generation (their commit can only fail now), with their records;
+    - ``replaced_save_id``: the save whose metadata this commit replaced (found in the old
+      metadata; the only way to clean a save from before the commit log);
+    - generation files older than the last two.
+    Best effort: a failure leaves garbage for the next commit, never an error.
+    """
+    try:
+        log = _log(storage)
+        for sid in (m.group(1) for m in map(_BEGUN.match, log) if m):
+            base = save_generation(sid)
+            if sid != save_id and base is not None and base < generation:
+                remove_save_files(storage, sid)
+                storage.remove_files([f"{LOG_DIR}/begun-{sid}"])
+        if replaced_save_id and replaced_save_id.split("/", 1)[0] != save_id.split("/", 1)[0]:
+            remove_save_files(storage, replaced_save_id.split("/", 1)[0])
+        old = [_gen_name(g) for g in _generations(log) if g <= generation - _KEEP_GENERATIONS]
+        if old:
+            storage.remove_files(old)
+    except CheckpointError:
+        pass
