@@ -184,6 +184,8 @@ class RayMemFileSystem(AbstractFileSystem):
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)
+        if mode == "create" and self.exists(path):  # a check, then the write (as fsspec's default)
+            raise FileExistsError(self._url(path))
         data = bytes(value)
         if path.rsplit("/", 1)[-1] == METADATA_NAME:
             self._commit(path, data)
