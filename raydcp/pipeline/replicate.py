@@ -34,6 +34,7 @@ from ..metadata_format import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage
 from ..storage._common import is_local, is_transient
 from ..storage._local import fsync_dir
+from ..storage.commits import raydcp_data_file
 
 __all__ = ["Piece", "Segment", "CopyTask", "plan_segments", "file_pieces", "writer_kind",
            "copy_segment", "replicate_files", "commit_copy", "S3_MIN_PART"]
@@ -308,14 +309,15 @@ def _finish_file(dst: CheckpointStorage, kind: str, name: str, size: int, upload
 
 
 def commit_copy(src_meta: bytes, dst: CheckpointStorage) -> bool:
-    """Publish ``src_meta`` on the target (stage ``committed@k``), then remove data files it does
-    not name (an older save's, or leftovers). Returns False if it was already committed."""
+    """Publish ``src_meta`` on the target (stage ``committed@k``), then remove raydcp's data files it
+    does not name (an older save's, or leftovers); files raydcp did not write are never touched.
+    Returns False if it was already committed."""
     md = decode_metadata(src_meta, dst.file_url(METADATA_NAME))
     already = dst.is_committed() and dst.read_metadata_bytes() == src_meta
     if not already:
         dst.commit(src_meta)
     keep = set(md.files)
-    stale = [f for f in dst.list_files("data/") if f not in keep]
+    stale = [f for f in dst.list_files("data/") if f not in keep and raydcp_data_file(f)]
     if stale:
         dst.remove_files(stale)
     return not already

@@ -44,7 +44,7 @@ from typing import Iterable
 from ..errors import CheckpointError, ConcurrentSaveError
 
 __all__ = ["LOG_DIR", "begin_save", "save_generation", "current_generation", "commit_generation", "prune",
-           "remove_save_files", "owned_file", "begun_saves"]
+           "remove_save_files", "owned_file", "raydcp_data_file", "begun_saves"]
 
 LOG_DIR = "_raydcp"
 _GEN = re.compile(r"^_raydcp/gen-(\d{12})\.meta$")
@@ -145,6 +145,16 @@ def owned_file(save_id: str, name: str) -> bool:
     """True if ``name`` is a file raydcp writes for save ``save_id`` (``data/<save_id>/r00000-f000.bin`` ...)."""
     prefix = f"data/{save_id}/"
     return name.startswith(prefix) and bool(_OWN_FILE.match(name[len(prefix):]))
+
+
+def raydcp_data_file(name: str) -> bool:
+    """True if ``name`` (relative to a checkpoint) is a data file raydcp writes, of any save:
+    ``data/<a save id raydcp makes>/<a file name raydcp writes>``. Nothing else is ever removed."""
+    parts = name.split("/", 2)
+    if len(parts) < 3 or parts[0] != "data":
+        return False
+    sid = parts[1]
+    return bool(_SAVE_ID.match(sid) or _LEGACY_SAVE_ID.match(sid)) and owned_file(sid, name)
 
 
 def remove_save_files(storage, save_id: str, keep: Iterable[str] = ()) -> None:

@@ -107,3 +107,18 @@ def test_unreachable_target_is_an_error_naming_it(tmp_path, runner, s3_server):
     url = f"s3://no-such-bucket-{os.getpid()}/x"
     with pytest.raises(CheckpointError, match="no-such-bucket"):
         replicate(str(tmp_path / "src"), url, runner, dst_options=s3_server.storage_options)
+
+
+def test_the_commit_of_a_copy_removes_only_raydcps_own_files(tmp_path, runner):
+    raydcp.save(make_state(seed=1), tmp_path / "dst")  # an older save on the target: its files go
+    old = {f for f in files_of(str(tmp_path / "dst"))}
+    foreign = [tmp_path / "dst" / "data" / "labels.csv", tmp_path / "dst" / "data" / "notes" / "r00000-f000.bin"]
+    for f in foreign:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("not raydcp's")
+    raydcp.save(make_state(seed=2), tmp_path / "src")
+    replicate(str(tmp_path / "src"), str(tmp_path / "dst"), runner)
+    assert raydcp.read_metadata(str(tmp_path / "dst")).values["step"] == 2
+    left = set(files_of(str(tmp_path / "dst")))
+    assert not (old & left - set(files_of(str(tmp_path / "src"))))  # the old save's data files removed
+    assert all(f.read_text() == "not raydcp's" for f in foreign)     # what raydcp did not write is kept
