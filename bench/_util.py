@@ -201,3 +201,16 @@ def refill_free_memory(mib: int = 1024) -> None:
 
     block = np.ones(mib << 20, np.uint8)  # large: its own mapping, returned to the kernel when freed
     del block
+
+
+def fsync_tree(root: str, *, evict: bool = False) -> None:
+    """fsync every file under ``root``; ``evict`` also drops them from the page cache (a cold read next)."""
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                if evict:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)

@@ -34,24 +34,13 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _util import LoadRange, argv_line, log, machine, median, refill_free_memory, save_json, table  # noqa: E402
+from _util import (LoadRange, argv_line, fsync_tree, log, machine, median, refill_free_memory,  # noqa: E402
+                   save_json, table)
 from distributed import DcpPool, Rank, dataset, nbytes  # noqa: E402
 
 MIB = 1 << 20
 SAVERS, MORE = 4, 6
 MEM_URL = "raymem://bench-restore/ckpt"
-
-
-def evict(root: str) -> None:
-    """Drop the files under ``root`` from the page cache."""
-    for d, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 class RaydcpRanks:
@@ -149,12 +138,12 @@ def main() -> None:
                 return ranks.load("large", w, MEM_URL)
             if lib == "disk":
                 if args.cold:
-                    evict(disk)
+                    fsync_tree(disk, evict=True)
                 return ranks.load("large", w, disk)
             if lib == "s3":
                 return ranks.load("large", w, s3_url)
             if args.cold:
-                evict(dcp_dir)
+                fsync_tree(dcp_dir, evict=True)
             t, bad = pool.run("load", "large", dcp_dir, w)
             if bad:
                 raise AssertionError(f"torch DCP: {bad} tensors differ after the load onto {w} ranks")

@@ -61,16 +61,6 @@ def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _fsync_tree(path: str) -> None:
-    for d, _, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def make_state(size_mib: int) -> dict:
     import torch
 
