@@ -7,9 +7,7 @@ two saved pieces). Tensor t has global shape (ranks * (1 + t % 4), 128 * (1 + t 
 raydcp, timed step by step (the coordinator's whole job for one save and one load):
   plan_save      raydcp.planner.plan_save(local_plans): validate, dedup, balance, pack files
   build md       the Metadata the plan implies: raydcp.planner.chunk_tables(plan, local plans, the
-                 ranks' checksums as arrays) -> one ChunkTable (columns) per tensor. Also timed,
-                 outside the total: the commit step of engine/protocol.py (tensor_metas), which
-                 builds the same tables from the columnar storage records the ranks return
+                 ranks' checksums as arrays) -> one ChunkTable (columns) per tensor
   encode         raydcp.metadata_format.encode_metadata(md)          -> bytes per piece
   decode         raydcp.metadata_format.decode_metadata(bytes)
   load plan      sources from the metadata + check_requests + raydcp.planner.plan_load (512 ranks)
@@ -35,8 +33,16 @@ full scale, scaling the number of ranks (pieces per tensor grow with it). A step
 more than --budget-s is timed on a subset of the tensors and scaled up (marked "est."): every
 tensor has the same number of pieces, so the work is the same per tensor.
 
+End to end (the second table, bench/_planning_e2e.py): one save and one load through the
+coordinator's own functions, as the coordinator runs them for a real save -- plan
+(engine.protocol.reduce_plan), commit (commit_metadata: the chunk columns from the storage records
+the ranks return), metadata write (commit_checkpoint: encode, commit log, write, prune; into a
+temporary directory), read (engine.load.read_metadata) and load plan (engine.load._plan_loads) --
+with the transport's decoding of what the ranks send and encoding of the replies beside them.
+
     python bench/planning.py               # full scale, ~3-5 minutes
     python bench/planning.py --scale 0.125 # quick
+    python bench/planning.py --end-to-end-only --no-dcp  # the end-to-end table only
 """
 from __future__ import annotations
 
@@ -50,12 +56,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _planning_e2e import report_e2e, run_end_to_end  # noqa: E402
 from _util import GC, RESULTS, argv_line, goal, loadavg, log, machine, save_json, table  # noqa: E402
 
 import raydcp.planner as P  # noqa: E402
 from raydcp.codec import itemsize  # noqa: E402
 from raydcp.engine.load import _stored_sources  # noqa: E402  (what the load coordinator runs)
-from raydcp.engine.protocol import StorageRecord, tensor_metas  # noqa: E402  (what the save coordinator's commit runs)
 from raydcp.metadata import Metadata, TensorMeta  # noqa: E402
 from raydcp.metadata_format import decode_metadata, encode_metadata  # noqa: E402
 from raydcp.runtime.coordinator import planning_pages  # noqa: E402  (what the coordinator's actor runs at start)
@@ -163,21 +169,6 @@ def metadata_from_plan(gp: P.GlobalSavePlan, local_plans, checksums) -> Metadata
                     tensors=tensors, values=dict(gp.values))
 
 
-def engine_records(gp: P.GlobalSavePlan, local_plans, checksums) -> list[StorageRecord]:
-    """The storage records the ranks return to the engine's commit step (one columnar record per rank)."""
-    records = []
-    for rp in gp.ranks:
-        items = local_plans[rp.rank].items
-        crcs = iter(checksums[rp.rank].tolist())
-        rows = []
-        for name, slots in rp.files:
-            for s in slots:
-                it = items[s.item]
-                rows.append((it.key, it.offsets, it.sizes, name, s.byte_offset, it.nbytes, next(crcs), ()))
-        records.append(StorageRecord.from_rows(rows))
-    return records
-
-
 def raydcp_load_plan(md: Metadata, load_plans):
     sources = _stored_sources(md)
     available = {k: P.TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
@@ -202,11 +193,7 @@ def run_raydcp(ranks: int, load_ranks: int, tensors: int, budget_s: float) -> di
     s, g, md = step(lambda: metadata_from_plan(gp, lps, crcs))
     res["build_md"], res["build_md_gc"], res["build_md_sys"] = s, g, SYS[0]
     log(f"    raydcp build md    {s:7.3f} s  (gc {g:.3f} s)")
-    records = engine_records(gp, received(wires), crcs)  # a copy: lps keeps no per-piece objects
-    s, g, md_engine = step(lambda: tensor_metas(dict(gp.tensors), records))
-    res["build_md_engine"] = s
-    log(f"    engine commit step from the ranks' records (not in the total) {s:7.3f} s  (gc {g:.3f} s)")
-    del gp, lps, md_engine, records, wires
+    del gp, lps, wires
     s, g, blob = step(lambda: encode_metadata(md))
     res["encode"], res["encode_gc"], res["md_bytes"], res["encode_sys"] = s, g, len(blob), SYS[0]
     log(f"    raydcp encode      {s:7.3f} s  (gc {g:.3f} s)  {len(blob) / pieces:.1f} bytes/piece")
@@ -378,11 +365,11 @@ def report(points: list[dict], dcp: dict | None) -> tuple[str, dict]:
         est = " est." if p["load_plan_est"] else ""
         rows.append([f"{p['ranks']} x {p['tensors']}", p["pieces"], p["plan_save"], p["build_md"], p["encode"],
                      p["decode"], f"{p['load_plan']:.2f}{est}", p["total"], p["md_bytes"] / p["pieces"],
-                     1e6 * p["total"] / p["pieces"], p["receive_save"], p["receive_load"], p["build_md_engine"]])
+                     1e6 * p["total"] / p["pieces"], p["receive_save"], p["receive_load"]])
     out = ["### raydcp coordinator, one CPU (CPU seconds; load plan for half as many ranks)", "",
            table(["ranks x tensors", "pieces", "plan_save", "build md", "encode", "decode", "load plan", "total",
                   "md bytes/piece", "us/piece", "receive save plans (not in total)",
-                  "receive load plans (not in total)", "engine commit from records (not in total)"], rows), ""]
+                  "receive load plans (not in total)"], rows), ""]
     gcrow = [[f"{p['ranks']} x {p['tensors']}", p["plan_save_gc"], p["build_md_gc"], p["encode_gc"], p["decode_gc"],
               p["load_plan_gc"], p["receive_save_gc"], p["receive_load_gc"]] for p in points]
     out += ["Of which in the garbage collector (s):", "",
@@ -456,6 +443,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="afterwards, cProfile one more pass of raydcp's steps at full scale (not in the timings)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--end-to-end-only", action="store_true",
+                    help="only the end-to-end table (plan + commit + metadata write + read + load plan)")
     args = ap.parse_args()
     if args.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -469,28 +458,38 @@ def main() -> None:
     raydcp_load_plan(_save_steps(_lps), received(sent(raydcp_load_plans(2, 4, 12))))
     full_r = max(4, round(args.ranks * args.scale))
     full_l = max(2, round(args.load_ranks * args.scale))
+    scales = [(max(2, full_r // f), max(1, full_l // f)) for f in (4, 2, 1)]
     points = []
-    for f in (4, 2, 1):
-        r, l = max(2, full_r // f), max(1, full_l // f)
+    for r, l in ([] if args.end_to_end_only else scales):
         log(f"raydcp: {r} ranks x {args.tensors} tensors = {r * args.tensors} pieces; load on {l} ranks")
         points.append(run_raydcp(r, l, args.tensors, args.budget_s))
         gc.collect()
+    e2e = []
+    run_end_to_end(4, 2, lambda: raydcp_local_plans(4, 12), lambda: raydcp_load_plans(2, 4, 12), step, lambda m: None)
+    for r, l in scales:
+        log(f"end to end: {r} ranks x {args.tensors} tensors = {r * args.tensors} pieces; load on {l} ranks")
+        e2e.append(run_end_to_end(r, l, lambda: raydcp_local_plans(r, args.tensors),
+                                  lambda: raydcp_load_plans(l, r, args.tensors), step, log))
+        gc.collect()
+    e2e_text, e2e_summary = report_e2e(e2e, goal, table)
     dcp = None
-    if not args.no_dcp:
+    if not args.no_dcp and points:
         peer = points[{0.25: 0, 0.5: 1, 1.0: 2}[args.dcp_at]]
         log(f"torch DCP: {peer['ranks']} ranks x {args.tensors} tensors; load on {peer['load_ranks']} ranks")
         dcp = run_dcp(peer["ranks"], peer["load_ranks"], args.tensors, args.dcp_sample_ranks)
-    text, summary = report(points, dcp)
+    text, summary = report(points, dcp) if points else ("", {})
     print(f"\n## planning  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM, pinned to one CPU, CPU seconds;"
           f" load average {info['loadavg']} at the start, {loadavg()} at the end)\n")
     print(f"command: {argv_line()}  (raydcp at {info['revision']})\n")
     print(text)
+    print(e2e_text)
     if args.profile:
         gc.collect()
         profile_raydcp(full_r, full_l, args.tensors, min(args.tensors, 24))
-    out = save_json("planning", {"machine": info, "args": vars(args), "raydcp": points, "dcp": dcp, "summary": summary})
+    out = save_json("planning", {"machine": info, "args": vars(args), "raydcp": points, "dcp": dcp, "summary": summary,
+                                 "end_to_end": e2e, "end_to_end_summary": e2e_summary})
     log(f"results: {out}")
-    if not args.no_plot:
+    if not args.no_plot and points:
         plot(points, RESULTS / "planning.png")
         log(f"plot: {RESULTS / 'planning.png'}")
 

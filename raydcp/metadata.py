@@ -327,7 +327,20 @@ class Metadata:
 
 
 def _first_use(file: np.ndarray) -> np.ndarray:
-    """The distinct values of ``file`` in the order of their first occurrence."""
-    used, first = np.unique(file, return_index=True)
-    return used[np.argsort(first, kind="stable")]
+    """The distinct values of ``file`` in the order of their first occurrence.
+
+    File ids are few and small: the first row of each comes from one pass (``np.minimum.at``),
+    where ``np.unique`` would sort every row.
+    """
+    n = len(file)
+    if not n:
+        return np.zeros(0, np.int64)
+    lo, hi = int(file.min()), int(file.max())
+    if lo < 0 or hi >= 4 * n + 1024:  # not small ids: sort
+        used, first = np.unique(file, return_index=True)
+        return used[np.argsort(first, kind="stable")]
+    first = np.full(hi + 1, n, np.int64)
+    np.minimum.at(first, file, np.arange(n, dtype=np.int64))
+    used = np.flatnonzero(first < n)
+    return used[np.argsort(first[used], kind="stable")]
 

@@ -72,8 +72,12 @@ def _stored_sources(md: Metadata):
 def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):
     """Each rank sends (its LocalLoadPlan, its optimizers' parameter FQNs by id); each gets back
     (its RankLoadPlan, its Skipped, the group's Skipped: every rank's state-dict-only keys)."""
+    return _plan_loads(read_metadata(checkpoint_id, storage_options), requests)
+
+
+def _plan_loads(md: Metadata, requests: Sequence[tuple]) -> list:
+    """:func:`_reduce_load_plan` once the metadata is read: check the requests, plan every rank's reads."""
     local_plans = [r[0] for r in requests]
-    md = read_metadata(checkpoint_id, storage_options)
     available = {k: TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
     itemsizes = {k: itemsize(t.dtype) for k, t in md.tensors.items()}
     sources, values = _stored_sources(md), md.values

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import chain
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -34,14 +35,16 @@ import numpy as np
 from ..errors import CheckpointError, RankFailure, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas
 from ..metadata_format import decode_metadata, encode_metadata
-from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
+from ..planner import LocalSavePlan, PackedNames, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
+from ..planner.arrays import _order
+from ..planner.types import _digest
 from ..storage import CheckpointStorage
 from ..storage._common import is_transient
 from ..storage.commits import begin_save, commit_generation, current_generation, prune, remove_save_files
 from ..transport import Transport
 
-__all__ = ["SaveHeader", "StorageRecord", "reduce_plan", "reduce_commit", "tensor_metas", "plan_round",
-           "commit_round", "commit_checkpoint", "name_storage_error", "PLAN_STEP", "COMMIT_STEP"]
+__all__ = ["SaveHeader", "StorageRecord", "reduce_plan", "reduce_commit", "commit_metadata", "tensor_metas",
+           "plan_round", "commit_round", "commit_checkpoint", "name_storage_error", "PLAN_STEP", "COMMIT_STEP"]
 
 PLAN_STEP = "save: plan"
 COMMIT_STEP = "save: commit"
@@ -57,41 +60,117 @@ class SaveHeader:
     values: Mapping[str, Any]
 
 
-@dataclass(frozen=True)
 class StorageRecord:
-    """Where one rank wrote its pieces: one row per piece, held as columns (no object per piece).
+    """Where one rank wrote its pieces: one row per piece, held as arrays (no object per piece).
 
-    Row ``i``: piece ``offsets[i]`` (size ``sizes[i]``) of tensor ``keys[i]`` is bytes
-    ``[byte_offsets[i], byte_offsets[i] + nbytes[i])`` of file ``files[i]``, with CRC32C
-    ``crcs[i]`` and, for pieces over one checksum block, the blocks' CRCs ``blocks[i]``.
+    Row ``i``: the box ``offsets[i, :ndim[i]]``, ``sizes[i, :ndim[i]]`` of tensor ``keys[key[i]]``
+    (boxes padded to the record's width with offset 0 and size 1) is bytes
+    ``[byte_offsets[i], byte_offsets[i] + nbytes[i])`` of file ``files[file[i]]``, with CRC32C
+    ``crcs[i]`` and, for a piece over one checksum block, the blocks' CRCs
+    ``block_values[block_bounds[i]:block_bounds[i + 1]]``. ``keys_digest`` identifies the list
+    ``keys`` (equal lists, equal digests): the commit maps each distinct list to the checkpoint's
+    tensors once, and ``keys`` travels packed (:class:`~raydcp.planner.PackedNames`), so the
+    coordinator makes no string per key of a list it has already seen.
     """
 
-    keys: Sequence[str] = ()
-    offsets: Sequence[tuple[int, ...]] = ()
-    sizes: Sequence[tuple[int, ...]] = ()
-    files: Sequence[str] = ()
-    byte_offsets: Sequence[int] = ()
-    nbytes: Sequence[int] = ()
-    crcs: Sequence[int] = ()
-    blocks: Sequence[tuple[int, ...]] = ()
+    __slots__ = ("keys", "keys_digest", "key", "ndim", "offsets", "sizes", "files", "file", "byte_offsets",
+                 "nbytes", "crcs", "block_values", "block_bounds")
+
+    def __init__(self, keys: Sequence[str] = (), key=None, ndim=None, offsets=None, sizes=None,
+                 files: Sequence[str] = (), file=None, byte_offsets=None, nbytes=None, crcs=None,
+                 block_values=None, block_bounds=None, keys_digest: bytes | None = None):
+        n = 0 if key is None else len(key)
+
+        def col(a, dtype=np.int64):
+            return np.zeros(n, dtype) if a is None else np.asarray(a, dtype)
+
+        self.keys = keys if isinstance(keys, PackedNames) else tuple(keys)
+        self.keys_digest = keys_digest if keys_digest is not None else _digest(tuple(self.keys))
+        self.key, self.ndim, self.file = col(key), col(ndim), col(file)
+        self.offsets = np.zeros((n, 1), np.int64) if offsets is None else np.asarray(offsets, np.int64)
+        self.sizes = np.ones(self.offsets.shape, np.int64) if sizes is None else np.asarray(sizes, np.int64)
+        self.files = tuple(files)
+        self.byte_offsets, self.nbytes, self.crcs = col(byte_offsets), col(nbytes), col(crcs)
+        self.block_values = np.zeros(0, np.uint32) if block_values is None else np.asarray(block_values, np.uint32)
+        self.block_bounds = np.zeros(n + 1, np.int64) if block_bounds is None else np.asarray(block_bounds, np.int64)
+        if (any(len(c) != n for c in (self.ndim, self.file, self.byte_offsets, self.nbytes, self.crcs))
+                or self.offsets.ndim != 2 or len(self.offsets) != n or self.sizes.shape != self.offsets.shape
+                or len(self.block_bounds) != n + 1):
+            raise ValueError("the columns of a storage record differ in length")
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.key)
 
     @property
     def total_bytes(self) -> int:
-        return int(sum(self.nbytes))
+        return int(self.nbytes.sum())
+
+    @property
+    def width(self) -> int:
+        return self.offsets.shape[1]
 
     def rows(self) -> Iterator[tuple]:
         """``(key, offsets, sizes, file, byte offset, nbytes, crc, blocks)`` per piece (journals, tools)."""
-        return zip(self.keys, self.offsets, self.sizes, self.files, self.byte_offsets, self.nbytes, self.crcs,
-                   self.blocks)
+        keys, files = self.keys, self.files
+        bv, bb = self.block_values.tolist(), self.block_bounds.tolist()
+        for i, (k, nd, o, s, f, b, n, c) in enumerate(zip(
+                self.key.tolist(), self.ndim.tolist(), self.offsets.tolist(), self.sizes.tolist(),
+                self.file.tolist(), self.byte_offsets.tolist(), self.nbytes.tolist(), self.crcs.tolist())):
+            yield keys[k], tuple(o[:nd]), tuple(s[:nd]), files[f], b, n, c, tuple(bv[bb[i]:bb[i + 1]])
 
     @classmethod
     def from_rows(cls, rows: Sequence[tuple]) -> "StorageRecord":
-        if not rows:
+        """A record from ``(key, offsets, sizes, file, byte offset, nbytes, crc, blocks)`` tuples."""
+        n = len(rows)
+        if not n:
             return cls()
-        return cls(*(list(c) for c in zip(*rows)))
+        cols = list(zip(*rows))
+        keys = {k: i for i, k in enumerate(dict.fromkeys(cols[0]))}
+        files = {f: i for i, f in enumerate(dict.fromkeys(cols[3]))}
+        ndim = np.fromiter(map(len, cols[1]), np.int64, n)
+        if (np.fromiter(map(len, cols[2]), np.int64, n) != ndim).any():
+            raise ValueError("a piece's offsets and sizes differ in length")
+        width = max(1, int(ndim.max()))
+        offsets, sizes = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
+        for i, (o, s) in enumerate(zip(cols[1], cols[2])):
+            offsets[i, :len(o)], sizes[i, :len(s)] = o, s
+        blen = np.fromiter(map(len, cols[7]), np.int64, n)
+        bounds = np.zeros(n + 1, np.int64)
+        np.cumsum(blen, out=bounds[1:])
+        return cls(tuple(keys), [keys[k] for k in cols[0]], ndim, offsets, sizes, tuple(files),
+                   [files[f] for f in cols[3]], cols[4], cols[5], cols[6],
+                   np.fromiter(chain.from_iterable(cols[7]), np.uint32, int(bounds[-1])), bounds)
+
+    @classmethod
+    def written(cls, plan: LocalSavePlan, layouts: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+                crcs: Sequence[int], blocks: Sequence[tuple[int, ...]]) -> "StorageRecord":
+        """What a rank wrote (step 2): ``layouts`` lists ``(file name, item indices, byte offsets)``
+        per file, ``crcs[i]`` and ``blocks[i]`` are item i's checksum and block checksums. Rows in
+        file order, taken from the plan's columns (:class:`~raydcp.planner.ItemColumns`); from its
+        items where the columns cannot stand for them."""
+        cols = getattr(plan, "columns", None)
+        if cols is not None and len(cols.key) == len(plan.items) and (not len(cols.key) or int(cols.ndim.min()) >= 0):
+            return cls._of_columns(cols, layouts, crcs, blocks)
+        items = plan.items
+        return cls.from_rows([(items[i].key, items[i].offsets, items[i].sizes, name, off, items[i].nbytes, crcs[i],
+                               blocks[i]) for name, ids, offs in layouts for i, off in zip(ids, offs)])
+
+    @classmethod
+    def _of_columns(cls, columns, layouts, crcs, blocks) -> "StorageRecord":
+        counts = [len(ids) for _, ids, _ in layouts]
+        n = sum(counts)
+        ids = np.fromiter(chain.from_iterable(ids for _, ids, _ in layouts), np.int64, n)
+        idl = ids.tolist()
+        blen = np.fromiter((len(blocks[i]) for i in idl), np.int64, n)
+        bounds = np.zeros(n + 1, np.int64)
+        np.cumsum(blen, out=bounds[1:])
+        return cls(PackedNames.of(columns.keys), columns.key[ids], columns.ndim[ids], np.take(columns.offsets, ids, 0),
+                   np.take(columns.sizes, ids, 0), [name for name, _, _ in layouts],
+                   np.repeat(np.arange(len(layouts)), counts),
+                   np.fromiter(chain.from_iterable(offs for _, _, offs in layouts), np.int64, n), columns.nbytes[ids],
+                   np.fromiter((crcs[i] for i in idl), np.int64, n),
+                   np.fromiter(chain.from_iterable(blocks[i] for i in idl), np.uint32, int(bounds[-1])), bounds,
+                   keys_digest=columns.keys_digest)
 
     @classmethod
     def concat(cls, records: Sequence["StorageRecord"]) -> "StorageRecord":
@@ -99,10 +178,55 @@ class StorageRecord:
         records = [r for r in records if len(r)]
         if len(records) == 1:
             return records[0]
-        return cls(*([v for r in records for v in getattr(r, f)] for f in _FIELDS))
+        if not records:
+            return cls()
+        keys: dict[str, int] = {}
+        key_maps: dict[bytes, np.ndarray] = {}
+        files: dict[str, int] = {}
+        for r in records:
+            if r.keys_digest not in key_maps:
+                key_maps[r.keys_digest] = np.array([keys.setdefault(k, len(keys)) for k in r.keys] or [0], np.int64)
+        width = max(r.width for r in records)
+        parts = [_pad(r.offsets, width, 0) for r in records], [_pad(r.sizes, width, 1) for r in records]
+        fmaps = [np.array([files.setdefault(f, len(files)) for f in r.files] or [0], np.int64) for r in records]
+        bounds = np.zeros(sum(map(len, records)) + 1, np.int64)
+        np.cumsum(np.concatenate([np.diff(r.block_bounds) for r in records]), out=bounds[1:])
+        same_keys = len(key_maps) == 1
+        return cls(records[0].keys if same_keys else tuple(keys),
+                   np.concatenate([key_maps[r.keys_digest][r.key] for r in records]),
+                   np.concatenate([r.ndim for r in records]), np.concatenate(parts[0]), np.concatenate(parts[1]),
+                   tuple(files), np.concatenate([m[r.file] for m, r in zip(fmaps, records)]),
+                   *(np.concatenate([getattr(r, c) for r in records]) for c in ("byte_offsets", "nbytes", "crcs")),
+                   np.concatenate([r.block_values[r.block_bounds[0]:r.block_bounds[-1]] for r in records]), bounds,
+                   keys_digest=records[0].keys_digest if same_keys else None)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, StorageRecord):
+            return NotImplemented
+        return len(self) == len(other) and list(self.rows()) == list(other.rows())
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"StorageRecord({len(self)} pieces in {len(self.files)} files, {self.total_bytes} bytes)"
+
+    def __reduce__(self):
+        keys = PackedNames.of(self.keys)
+        return (_storage_record, (keys, self.key, self.ndim, self.offsets, self.sizes, self.files, self.file,
+                                  self.byte_offsets, self.nbytes, self.crcs, self.block_values, self.block_bounds,
+                                  self.keys_digest))
 
 
-_FIELDS = ("keys", "offsets", "sizes", "files", "byte_offsets", "nbytes", "crcs", "blocks")
+def _storage_record(*args) -> StorageRecord:
+    return StorageRecord(*args[:-1], keys_digest=args[-1])
+
+
+def _pad(boxes: np.ndarray, width: int, fill: int) -> np.ndarray:
+    if boxes.shape[1] == width:
+        return boxes
+    out = np.full((len(boxes), width), fill, np.int64)
+    out[:, :boxes.shape[1]] = boxes
+    return out
 
 
 # -- step 1: plan ------------------------------------------------------------------------------
@@ -151,17 +275,23 @@ def _same_destination(checkpoint_id: str, values: Sequence[tuple]) -> list:
 # -- step 3: commit ----------------------------------------------------------------------------
 def reduce_commit(checkpoint_id: str, storage_options: dict | None, values: Sequence[tuple]) -> list:
     """On the coordinator: ``values[r] = (StorageRecord, SaveHeader or None)``; commits, returns the
-    Metadata for every rank."""
+    Metadata for every rank. Two steps: :func:`commit_metadata`, then :func:`commit_checkpoint`."""
+    md = commit_metadata(values)
+    commit_checkpoint(CheckpointStorage(checkpoint_id, storage_options), md)
+    return [md] * len(values)
+
+
+def commit_metadata(values: Sequence[tuple]) -> Metadata:
+    """The Metadata a commit records, from ``values[r] = (StorageRecord, SaveHeader or None)``: rank 0's
+    header and every rank's storage record (:func:`tensor_metas`, columns only)."""
     header: SaveHeader = values[0][1]
-    md = Metadata(
+    return Metadata(
         save_id=header.save_id,
         world_size=header.world_size,
         created_at=time.time(),
         tensors=tensor_metas(header.tensors, [records for records, _ in values]),
         values=dict(header.values),
     )
-    commit_checkpoint(CheckpointStorage(checkpoint_id, storage_options), md)
-    return [md] * len(values)
 
 
 def commit_checkpoint(storage: CheckpointStorage, md: Metadata, *, own_leftovers: bool = False) -> int:
@@ -199,46 +329,75 @@ def commit_round(transport: Transport, written: Any, checkpoint_id: str, storage
 
 def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRecord]) -> TensorMetas:
     """Every tensor's metadata from the ranks' storage records: one set of chunk columns for all
-    tensors (:class:`ChunkColumns`), grouped by tensor and each tensor's chunks sorted by offsets;
-    no object per chunk or per tensor."""
+    tensors (:class:`ChunkColumns`), grouped by tensor and each tensor's chunks sorted by offsets.
+
+    Built from the records' arrays, written once into arrays allocated once: no object per chunk
+    or per tensor, and one Python step per record (a rank's list of keys is mapped to the
+    checkpoint's tensors once per distinct list, by its digest). A row of a tensor no rank
+    planned, or whose box has another number of dimensions than its tensor, is a CheckpointError.
+    """
     keys = list(tensors)
     specs = list(tensors.values())
-    n = sum(len(r) for r in records)
-    width = max(1, *(len(s.shape) for s in specs)) if specs else 1
-    ndim = np.fromiter((len(s.shape) for s in specs), np.int64, len(specs))
-    if n == 0:
-        empty = np.zeros(0, np.int64)
-        cols = ChunkColumns(np.zeros(len(keys) + 1, np.int64), ndim, np.zeros((0, width), np.int64),
-                            np.ones((0, width), np.int64), [], empty, empty, empty, empty, np.zeros(0, np.uint32),
-                            np.zeros(1, np.int64))
-        return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
-    rec = StorageRecord.concat(records)
-    rkey, roff, rsize, rfile, rboff, rnbytes, rcrc, rblocks = (getattr(rec, f) for f in _FIELDS)
-    kid = {k: i for i, k in enumerate(keys)}
-    key = np.fromiter(map(kid.__getitem__, rkey), np.int64, n)
-    if all(len(o) == width for o in roff):
-        off, size = np.array(roff, np.int64).reshape(n, width), np.array(rsize, np.int64).reshape(n, width)
-    else:  # tensors of fewer dimensions: pad their boxes (offset 0, size 1)
-        off, size = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
-        for i, (o, sz) in enumerate(zip(roff, rsize)):
-            off[i, :len(o)], size[i, :len(sz)] = o, sz
-    names: dict[str, int] = {}
-    file = np.fromiter((names.setdefault(f, len(names)) for f in rfile), np.int64, n)
-    blen = np.fromiter(map(len, rblocks), np.int64, n)
-    bval = np.fromiter((b for bl in rblocks for b in bl), np.uint32, int(blen.sum()))
-    order = np.lexsort([off[:, d] for d in range(width - 1, -1, -1)] + [key])
-    start = np.zeros(n + 1, np.int64)
-    np.cumsum(blen, out=start[1:])
-    blen = blen[order]
-    if len(bval):
-        bval = bval[np.repeat(start[:-1][order] - (np.cumsum(blen) - blen), blen) + np.arange(len(bval))]
+    k = len(keys)
+    ndim = np.fromiter((len(s.shape) for s in specs), np.int64, k)
+    width = max(1, int(ndim.max()) if k else 1)
+    records = [r for r in records if len(r)]
+    n = sum(map(len, records))
+    key, file, boff, nbytes, crc, blen = (np.empty(n, np.int64) for _ in range(6))
+    off, size = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
+    files: dict[str, int] = {}
+    bvals: list[np.ndarray] = []
+    maps: dict[bytes, np.ndarray] = {}
+    kid: dict[str, int] | None = None
+    a = 0
+    for r in records:
+        b = a + len(r)
+        m = maps.get(r.keys_digest)
+        if m is None:
+            kid = kid if kid is not None else {name: i for i, name in enumerate(keys)}
+            unknown = [name for name in r.keys if name not in kid]
+            if unknown:
+                raise CheckpointError(f"save: commit: a rank wrote pieces of {unknown[:5]}, which are not tensors of "
+                                      "this save's plan; nothing was committed")
+            m = maps[r.keys_digest] = np.array([kid[name] for name in r.keys] or [0], np.int64)
+        np.take(m, r.key, out=key[a:b])
+        w = r.width
+        if w > width:  # rows of a wider record: the dimensions past every tensor's must be padding
+            if (r.offsets[:, width:] != 0).any() or (r.sizes[:, width:] != 1).any():
+                raise _wrong_dimensions(keys, ndim, key[a:b], r.ndim)
+            w = width
+        off[a:b, :w], size[a:b, :w] = r.offsets[:, :w], r.sizes[:, :w]
+        if not np.array_equal(np.take(ndim, key[a:b]), r.ndim):
+            raise _wrong_dimensions(keys, ndim, key[a:b], r.ndim)
+        fm = np.array([files.setdefault(name, len(files)) for name in r.files] or [0], np.int64)
+        np.take(fm, r.file, out=file[a:b])
+        boff[a:b], nbytes[a:b], crc[a:b] = r.byte_offsets, r.nbytes, r.crcs
+        lo, hi = int(r.block_bounds[0]), int(r.block_bounds[-1])
+        np.subtract(r.block_bounds[1:], r.block_bounds[:-1], out=blen[a:b])
+        if hi > lo:
+            bvals.append(r.block_values[lo:hi])
+        a = b
+    order = _order([key, *(off[:, d] for d in range(width))])  # stable: by tensor, then offsets
+    if n and not (order[1:] - order[:-1] == 1).all():  # not in order already (pieces of several ranks)
+        start = np.zeros(n + 1, np.int64)
+        np.cumsum(blen, out=start[1:])  # where each row's block checksums start, before sorting
+        key, file, boff, nbytes, crc, blen = (np.take(x, order) for x in (key, file, boff, nbytes, crc, blen))
+        off, size = np.take(off, order, axis=0), np.take(size, order, axis=0)
+        if bvals:
+            values = np.concatenate(bvals)
+            bvals = [values[np.repeat(start[:-1][order] - (np.cumsum(blen) - blen), blen) + np.arange(len(values))]]
+    bval = np.concatenate(bvals) if bvals else np.zeros(0, np.uint32)
     bounds = np.zeros(n + 1, np.int64)
     np.cumsum(blen, out=bounds[1:])
-    key, off, size, file = key[order], off[order], size[order], file[order]
-    boff, nbytes, crc = (np.array(c, np.int64)[order] for c in (rboff, rnbytes, rcrc))
-    rows = np.searchsorted(key, np.arange(len(keys) + 1))
-    cols = ChunkColumns(rows, ndim, off, size, list(names), file, boff, nbytes, crc, bval, bounds)
+    rows = np.searchsorted(key, np.arange(k + 1))
+    cols = ChunkColumns(rows, ndim, off, size, list(files), file, boff, nbytes, crc, bval, bounds)
     return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
+
+
+def _wrong_dimensions(keys: list[str], ndim: np.ndarray, key: np.ndarray, row_ndim: np.ndarray) -> CheckpointError:
+    i = int(np.argmax(np.take(ndim, key) != row_ndim))
+    return CheckpointError(f"save: commit: a rank wrote a piece of {keys[int(key[i])]!r} with {int(row_ndim[i])} "
+                           f"dimensions, the tensor has {int(ndim[key[i]])}; nothing was committed")
 
 
 def name_storage_error(exc: Exception, checkpoint_id: str) -> Exception:

@@ -234,7 +234,7 @@ class RoundJournal:
             except (CheckpointError, ValueError, KeyError, TypeError):
                 continue  # a torn journal entry: run the round again
             need: dict[str, int] = {}
-            for file, off, nbytes in zip(rnd.records.files, rnd.records.byte_offsets, rnd.records.nbytes):
+            for _, _, _, file, off, nbytes, _, _ in rnd.records.rows():
                 need[file] = max(need.get(file, 0), off + nbytes)
             if all((sizes.setdefault(f, self.storage.file_size(f)) or 0) >= n for f, n in need.items()):
                 self.done[int(stem)] = rnd

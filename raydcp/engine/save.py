@@ -192,14 +192,7 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
     storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks,
                                              None if read is None else partial(read, name))
                          for name, ids, offs in layouts}, max_workers=DEFAULT_IO.write_threads)
-    # one columnar record (no object per piece), in file order
-    ids = [i for _, file_ids, _ in layouts for i in file_ids]
-    pieces = [items[i] for i in ids]
-    return StorageRecord(
-        keys=[it.key for it in pieces], offsets=[it.offsets for it in pieces], sizes=[it.sizes for it in pieces],
-        files=[name for name, file_ids, _ in layouts for _ in file_ids],
-        byte_offsets=[off for _, _, offs in layouts for off in offs], nbytes=[it.nbytes for it in pieces],
-        crcs=[crcs[i] for i in ids], blocks=[blocks[i] for i in ids])
+    return StorageRecord.written(staged.plan, layouts, crcs, blocks)  # columnar (no object per piece), in file order
 
 
 def save_with(

@@ -34,7 +34,7 @@ from ..lazy import LazySequence as _Lazy
 __all__ = [
     "TensorSpec", "WriteItem", "LocalSavePlan", "FileSlot", "RankWritePlan", "GlobalSavePlan",
     "ReadItem", "LocalLoadPlan", "SourceChunk", "Delivery", "ChunkRead", "RankLoadPlan",
-    "ItemColumns", "FileTable", "ReadTable", "StoredChunks",
+    "ItemColumns", "FileTable", "ReadTable", "StoredChunks", "PackedNames",
 ]
 
 
@@ -223,6 +223,44 @@ _NBYTES, _CHECKSUM = attrgetter("nbytes"), attrgetter("checksum")
 
 def _digest(obj) -> bytes:
     return hashlib.blake2b(repr(obj).encode(), digest_size=16).digest()
+
+
+class PackedNames(_Lazy):
+    """A tuple of names held as one UTF-8 blob, NUL-separated, until first use.
+
+    What a rank's list of tensor keys travels as (:class:`raydcp.engine.protocol.StorageRecord`):
+    a receiver that matches lists by digest, as the commit does, unpickles one bytes object
+    per rank instead of a string per key, and splits the blob only for a list it has not seen.
+    """
+
+    __slots__ = ("blob", "count")
+
+    def __init__(self, blob: bytes, count: int):
+        self.blob, self.count = blob, count
+        self._objs = None
+
+    @classmethod
+    def of(cls, names: Sequence[str]) -> "PackedNames | tuple":
+        """``names`` packed, or as a tuple where a name is not a string or holds a NUL."""
+        if isinstance(names, PackedNames):
+            return names
+        names = tuple(names)
+        try:
+            joined = "\0".join(names)
+        except TypeError:
+            return names
+        if joined.count("\0") != max(len(names) - 1, 0) or names == ("",):
+            return names
+        return cls(joined.encode("utf-8", "surrogatepass"), len(names))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _build(self) -> tuple:
+        return tuple(self.blob.decode("utf-8", "surrogatepass").split("\0")) if self.count else ()
+
+    def __reduce__(self):
+        return (PackedNames, (self.blob, self.count))
 
 
 class FileTable(_Lazy):
