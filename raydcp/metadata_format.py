@@ -318,8 +318,7 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
             o, s, e = o2[:, d], s2[:, d], extent[:, d]
             bad |= (o < 0) | (s < 0) | (o > e) | (s > e - o)  # e - o: no int64 overflow, unlike o + s
             numel *= s
-        blocks = np.where(nbytes > BLOCK_BYTES, -(-nbytes // BLOCK_BYTES), 0)
-        bad |= (numel * isz[tcol] != nbytes) | (np.diff(bb) != blocks)
+        bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb)
     elif not bad.any():
         # per element of the flat offsets/sizes: its row, its dimension, the tensor's extent there
         row_of = np.repeat(np.arange(n), nd_row)
@@ -332,8 +331,7 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         padded = np.ones((n, max(dmax, 1)), np.int64)
         padded[row_of, dim_of] = sv
         numel = padded.prod(axis=1)
-        blocks = np.where(nbytes > BLOCK_BYTES, -(-nbytes // BLOCK_BYTES), 0)
-        bad |= (numel * isz[tcol] != nbytes) | (np.diff(bb) != blocks)
+        bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb)
     # the chunk's bytes inside int64 (the product above cannot wrap: a chunk inside its tensor is
     # no larger than the tensor, whose size _check_shapes bounded)
     bad |= (nbytes < 0) | (byte_off > _INT64_MAX - np.maximum(nbytes, 0))
@@ -352,6 +350,14 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         off2[row_of, dim_of], size2[row_of, dim_of] = ov, sv
     cols = ChunkColumns(rows, ndim, off2, size2, files, fcol, byte_off, nbytes, crcs, bv, bb)
     return TensorMetas(names, dtypes, shapes, cols)
+
+
+def _blocks_wrong(nbytes: np.ndarray, bb: np.ndarray) -> np.ndarray:
+    """Per chunk: whether it does not list one checksum per BLOCK_BYTES block (none for a chunk of at
+    most one block); ``bb`` bounds each chunk's block checksums, from 0."""
+    if not bb[-1]:  # no block checksums at all (every chunk small, as at a million pieces): one comparison
+        return nbytes > BLOCK_BYTES
+    return np.diff(bb) != np.where(nbytes > BLOCK_BYTES, -(-nbytes // BLOCK_BYTES), 0)
 
 
 def _decode_rows(table: pa.Table, specs: list, files: list[str]) -> dict[str, TensorMeta]:

@@ -343,7 +343,7 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
     width = max(1, int(ndim.max()) if k else 1)
     records = [r for r in records if len(r)]
     n = sum(map(len, records))
-    key, file, boff, nbytes, crc, blen = (np.empty(n, np.int64) for _ in range(6))
+    key, file, boff, nbytes, crc, blen, row_nd = (np.empty(n, np.int64) for _ in range(7))
     off, size = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
     files: dict[str, int] = {}
     bvals: list[np.ndarray] = []
@@ -361,22 +361,23 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
                                       "this save's plan; nothing was committed")
             m = maps[r.keys_digest] = np.array([kid[name] for name in r.keys] or [0], np.int64)
         np.take(m, r.key, out=key[a:b])
-        w = r.width
-        if w > width:  # rows of a wider record: the dimensions past every tensor's must be padding
-            if (r.offsets[:, width:] != 0).any() or (r.sizes[:, width:] != 1).any():
-                raise _wrong_dimensions(keys, ndim, key[a:b], r.ndim)
-            w = width
+        w = min(r.width, width)  # past its tensor's dimensions (checked below) a box is padding
         off[a:b, :w], size[a:b, :w] = r.offsets[:, :w], r.sizes[:, :w]
-        if not np.array_equal(np.take(ndim, key[a:b]), r.ndim):
-            raise _wrong_dimensions(keys, ndim, key[a:b], r.ndim)
-        fm = np.array([files.setdefault(name, len(files)) for name in r.files] or [0], np.int64)
-        np.take(fm, r.file, out=file[a:b])
+        row_nd[a:b] = r.ndim
+        if len(r.files) == 1:  # the usual record: one file
+            file[a:b] = files.setdefault(r.files[0], len(files))
+        else:
+            fm = np.array([files.setdefault(name, len(files)) for name in r.files] or [0], np.int64)
+            np.take(fm, r.file, out=file[a:b])
         boff[a:b], nbytes[a:b], crc[a:b] = r.byte_offsets, r.nbytes, r.crcs
         lo, hi = int(r.block_bounds[0]), int(r.block_bounds[-1])
         np.subtract(r.block_bounds[1:], r.block_bounds[:-1], out=blen[a:b])
         if hi > lo:
             bvals.append(r.block_values[lo:hi])
         a = b
+    if n and not np.array_equal(np.take(ndim, key), row_nd):
+        raise _wrong_dimensions(keys, ndim, key, row_nd)
+    del row_nd
     order = _order([key, *(off[:, d] for d in range(width))])  # stable: by tensor, then offsets
     if n and not (order[1:] - order[:-1] == 1).all():  # not in order already (pieces of several ranks)
         start = np.zeros(n + 1, np.int64)

@@ -18,7 +18,7 @@ from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_ar
 from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _stack_items, _take
 from .chunk_index import _general_pairs
 from .joint_reads import _split_large_chunks
-from .types import RankLoadPlan, ReadTable, StoredChunks
+from .types import PackedNames, RankLoadPlan, ReadTable, StoredChunks
 
 
 def _names(keys: list[str], limit: int = 20) -> str:
@@ -485,6 +485,9 @@ def _read_tables(a: _Arrays) -> list[RankLoadPlan]:
         objs = [tables[k][c - cstart[k]] if not isinstance(tables[k], ChunkTable) else
                 StoredChunks(keys[k], dtypes[k], tables[k])[c - cstart[k]]
                 for c, k in zip(rchunk.tolist(), s_key[rchunk].tolist())]
+    # every rank's table names all the keys and files: one packed copy shared by them, so that a
+    # rank's plan travels with a bytes object for each list, not a string per key and per file
+    keys, dtypes, files = PackedNames.of(keys), PackedNames.of(dtypes), PackedNames.of(files)
     plans = []
     for r, lp in enumerate(local_plans):
         a, b = int(rb[r]), int(rb[r + 1])
