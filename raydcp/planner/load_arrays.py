@@ -206,12 +206,19 @@ def _overlapping_pairs(a: _Arrays) -> None:
     hi += bk
     del sk, bk
     if nkeys and int(base[-1] + span[-1]) < 1 << 31:  # the binary searches on half the memory
-        first = np.searchsorted(line_end.astype(np.int32), lo.astype(np.int32), side="right")
-        n_c = np.searchsorted(line_start.astype(np.int32), hi.astype(np.int32), side="left")
-    else:
-        first = np.searchsorted(line_end, lo, side="right")
-        n_c = np.searchsorted(line_start, hi, side="left")
+        line_end, line_start, lo, hi = (x.astype(np.int32) for x in (line_end, line_start, lo, hi))
+    # searched in the order of the line: requests come rank after rank, each rank's key after key,
+    # so in that order each search starts near the last one (in cache) instead of anywhere
+    qorder = np.argsort(lo, kind="stable") if len(lo) > 1 and (lo[1:] < lo[:-1]).any() else None
+    if qorder is not None:
+        lo, hi = lo[qorder], hi[qorder]
+    first = np.searchsorted(line_end, lo, side="right")
+    n_c = np.searchsorted(line_start, hi, side="left")
     del lo, hi
+    if qorder is not None:  # back in request order
+        found, first, n_c = (first, n_c), np.empty_like(first), np.empty_like(n_c)
+        first[qorder], n_c[qorder] = found
+        del found
     n_c -= first
     np.maximum(n_c, 0, out=n_c)
     p_q = np.repeat(q1, n_c)
