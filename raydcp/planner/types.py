@@ -249,7 +249,7 @@ class PackedNames(_Lazy):
             joined = "\0".join(names)
         except TypeError:
             return names
-        if joined.count("\0") != max(len(names) - 1, 0) or names == ("",):
+        if joined.count("\0") != max(len(names) - 1, 0):
             return names
         return cls(joined.encode("utf-8", "surrogatepass"), len(names))
 

@@ -106,3 +106,35 @@ def test_shared_columns_give_the_per_table_plans(seed):
     keys = rng.sample(list(sources), 200)
     some = {k: sources[k] for k in keys}
     _same(plan_load(some, loads, {}, itemsizes), plan_load(_per_table(some), loads, {}, itemsizes))
+
+
+def test_the_reads_name_keys_dtypes_and_files_once_packed_and_travel_so():
+    from raydcp.planner import PackedNames
+    from raydcp.transport import decode, encode
+
+    rng = random.Random(11)
+    md, specs = _checkpoint(rng, 60)
+    loads = _requests(rng, specs, 3)
+    plans = plan_load(stored_sources(md), loads, {}, {k: ISZ[s.dtype] for k, s in specs.items()})
+    tables = [p.reads for p in plans]
+    for name in ("keys", "dtypes", "files"):
+        lists = {id(getattr(t, name)) for t in tables}
+        assert len(lists) == 1 and isinstance(getattr(tables[0], name), PackedNames), name  # one shared list
+    assert list(tables[0].keys) == list(specs) and list(tables[0].dtypes) == [s.dtype for s in specs.values()]
+    for p in plans:
+        back = decode(encode(p)).reads
+        assert isinstance(back.keys, PackedNames) and back.keys._objs is None  # no string per key until used
+        assert tuple(back) == tuple(p.reads)
+
+
+@pytest.mark.parametrize("names", [(), ("",), ("", ""), ("a",), ("w.0", "w.1"), ("é", "x\ud800"), ("a\0b", "c"),
+                                   (1, 2)])
+def test_packed_names_read_back_as_the_names(names):
+    import pickle
+
+    from raydcp.planner import PackedNames
+
+    packed = PackedNames.of(names)
+    assert isinstance(packed, tuple) == (names in (("a\0b", "c"), (1, 2)))  # a NUL or a non-string: as they are
+    back = pickle.loads(pickle.dumps(packed))
+    assert tuple(back) == names and len(back) == len(names) and PackedNames.of(back) is back
