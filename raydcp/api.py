@@ -92,11 +92,11 @@ def resolve_group(group: Group | None) -> GroupBinding:
 
 
 def prepare_group(group: Group, *, async_save: bool = False) -> None:
-    """``Group.prepare``: start the group's coordinator host (and this rank's persister actor)."""
+    """``Group.prepare``: start the cluster's coordinator host if none runs (and this rank's persister actor)."""
     if group.world_size > 1:
-        from .runtime.actors import prepare_coordinator
+        from .runtime.actors import prepare_host
 
-        prepare_coordinator(group.name, group.world_size, group.rank)
+        prepare_host()
     if async_save:
         from .runtime.persister import persister_for_this_process
 

@@ -41,9 +41,10 @@ class Group:
             raise CheckpointError(f"Group {self.name!r}: timeout_s must be > 0, got {self.timeout_s!r}")
 
     def prepare(self, *, async_save: bool = False) -> None:
-        """Start the group's coordinator in the background (returns at once; optional).
+        """Start the cluster's coordinator host in the background, if none runs (returns at once; optional).
 
-        The first operation of a group otherwise pays for starting it (a Ray
+        Every group's operations run in one coordinator host per Ray cluster; the
+        first operation in a fresh cluster otherwise pays for starting it (a Ray
         actor, and the imports its reductions need); a rank that calls this at
         start-up, e.g. before its first training step, moves that cost off the
         first checkpoint. One rank is enough; every rank may call it.

@@ -1,32 +1,37 @@
 """The coordinator of one operation of one group: rendezvous, reduce, route.
 
-A plain class with ``async`` methods. ``raydcp.runtime.actors`` turns it into
-an async Ray actor named ``raydcp:<group>:<op>``; tests drive it directly from
-an asyncio loop. It never touches tensor data: exchanges pass ObjectRefs
-(opaque values here) from senders to receivers.
+A plain class with ``async`` methods. The cluster's coordinator host
+(:mod:`raydcp.runtime.coordinator_host`, one async Ray actor) runs one per
+running operation; tests drive it directly from an asyncio loop. It never
+touches tensor data: exchanges pass ObjectRefs (opaque values here) from
+senders to receivers.
 
 Protocol, per operation (see ``raydcp.transport`` for the rank's side):
 
 1. Each rank calls :meth:`reduce_scatter` or :meth:`exchange` with a sequence
    number ``seq`` (1, 2, ... per rank; all ranks make the same calls in the same
-   order, so a round is identified by ``seq``) and the step name.
+   order, so a round is identified by ``seq``) and the step name. A rank's first
+   call here must be its call 1: a later one means that the coordinator that saw
+   its earlier calls is gone (its host died and a new one took over), so the
+   operation fails on every rank with a ``CoordinatorLostError``.
 2. The round completes when all ``world_size`` ranks arrived: the coordinator
-   runs ``run_reduce`` (or routes the exchange) once and wakes every rank with
-   its own element. A rank waits at most ``timeout_s`` from its own arrival;
-   past it the operation *fails*: every waiting rank, and every rank that comes
-   later, gets one ``CheckpointError`` naming the missing ranks.
+   runs ``run_reduce`` once, in a worker thread (a long planning never holds up
+   the host's other operations), or routes the exchange, and wakes every rank
+   with its own element. A rank waits at most ``timeout_s`` from its own
+   arrival for the others (not for the reduction, once all arrived); past it the
+   operation *fails*: every waiting rank, and every rank that comes later, gets
+   one ``CheckpointError`` naming the missing ranks.
 3. Each rank calls :meth:`close` once, at the end (also after a failure). A rank
    that closed while others still expect it in a round fails the operation at
    once ("rank r left"), instead of letting them wait for the timeout.
 4. :meth:`close` returns True to the rank whose close finishes the coordinator
    (every rank closed, or the operation failed and every rank that took part
-   closed); that rank then ends the actor. A failed coordinator also ends
-   itself ``timeout_s`` after the failure (:meth:`_schedule_exit`), so a retry
-   under the same group name gets a fresh one.
+   closed). A finished or failed coordinator calls :meth:`_on_end`, which
+   its host overrides to drop it (keeping a small record of how it ended).
 
-Replies are ``(creator_rank, value)``: every rank learns which rank created the
-actor (its owner in Ray, whose death kills it), to name it if the actor dies.
-``value`` is the rank's result or a ``CheckpointError`` for the rank to raise.
+Replies are ``(creator_rank, value)``: ``value`` is the rank's result or a
+``CheckpointError`` for the rank to raise (``creator_rank`` is what the
+coordinator was made with, for callers that name an owner; the host passes None).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import CheckpointError, RankFailure, RanksTimedOutError, raise_failures
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure, RanksTimedOutError, raise_failures
 from ..transport import run_reduce
 
 __all__ = ["Coordinator", "planning_pages"]
@@ -123,7 +128,7 @@ class Coordinator:
         return await self._rendezvous(rank, world_size, seq, _EXCHANGE, step, outgoing, None)
 
     async def close(self, rank: int) -> bool:
-        """Step 3-4: ``rank`` is done with this operation. True: end the actor now."""
+        """Step 3-4: ``rank`` is done with this operation. True: this close finished the coordinator."""
         if not self._valid_rank(rank) or rank in self._closed:
             return False
         self._closed[rank] = self._last_step.get(rank, "")
@@ -137,9 +142,7 @@ class Coordinator:
         )
         if done and not self._finished:
             self._finished = True
-            # The closing rank ends the actor once this reply reached it; in case it
-            # cannot (it died just now), end it ourselves a little later.
-            self._schedule_exit(min(self.timeout_s, 30.0))
+            self._on_end()
             return True
         return False
 
@@ -167,6 +170,10 @@ class Coordinator:
         if self._failed is not None:
             return self.creator_rank, self._failed
 
+        if rank not in self._last_seq and seq != 1:
+            # this rank made calls 1..seq-1 to a coordinator of this operation that is gone
+            self._fail(self._lost_error(rank, seq, step))
+            return self.creator_rank, self._failed
         if seq <= self._last_seq.get(rank, 0):
             # this rank already took part in call ``seq`` (a round that may have completed): a
             # second caller uses the rank. Fail the operation on every rank, never mix the two.
@@ -195,7 +202,8 @@ class Coordinator:
                 self._fail(self._left_error(gone, step))
                 return self.creator_rank, self._failed
         if len(rnd.values) == self.world_size:
-            rnd.finish(self._complete(rnd))
+            results = await self._complete(rnd)
+            rnd.finish(results)  # a no-op where the operation failed meanwhile
             self._rounds.pop(seq, None)
 
         if rnd.results is None:
@@ -204,10 +212,13 @@ class Coordinator:
                 await asyncio.wait_for(rnd.done.wait(), timeout=max(left, 0.0))
             except asyncio.TimeoutError:
                 if rnd.results is None:  # the round may have completed as the timer fired
-                    self._fail(self._timeout_error(rnd, rank))
+                    if len(rnd.values) == self.world_size:  # every rank came: the reduction ends on its own
+                        await rnd.done.wait()
+                    else:
+                        self._fail(self._timeout_error(rnd, rank))
         return self.creator_rank, rnd.results[rank]
 
-    def _complete(self, rnd: _Round) -> list[Any]:
+    async def _complete(self, rnd: _Round) -> list[Any]:
         n = self.world_size
         calls = [rnd.calls[r] for r in range(n)]
         if len(set(calls)) > 1:
@@ -219,7 +230,8 @@ class Coordinator:
             return [err] * n
         values = [rnd.values[r] for r in range(n)]
         if rnd.kind == _REDUCE:
-            return run_reduce(rnd.step, values, rnd.reduce_fn)
+            # in a worker thread: the host's event loop goes on serving the other operations
+            return await asyncio.to_thread(run_reduce, rnd.step, values, rnd.reduce_fn)
         return self._route(rnd.step, values)
 
     def _route(self, step: str, outgoing_by_rank: list[Any]) -> list[Any]:
@@ -251,10 +263,10 @@ class Coordinator:
         for rnd in self._rounds.values():
             rnd.finish([err] * self.world_size)
         self._rounds.clear()
-        self._schedule_exit(self.timeout_s)
+        self._on_end()
 
-    def _schedule_exit(self, delay_s: float) -> None:
-        """End the actor after ``delay_s`` (overridden by the actor; nothing to end here)."""
+    def _on_end(self) -> None:
+        """The operation finished or failed (its host overrides this to drop the coordinator)."""
 
     def _valid_rank(self, rank: Any) -> bool:
         return isinstance(rank, int) and 0 <= rank < self.world_size
@@ -283,6 +295,13 @@ class Coordinator:
                                   failures={r: RanksTimedOutError(f"did not arrive at step '{rnd.step}' within "
                                                                   f"{self.timeout_s:g}s", missing_ranks=[r],
                                                                   timeout_s=self.timeout_s) for r in missing})
+
+    def _lost_error(self, rank: int, seq: int, step: str) -> CoordinatorLostError:
+        return CoordinatorLostError(
+            f"{step}: the coordinator of group '{self.group_name}' (operation {self.op}) lost the operation's "
+            f"earlier steps: rank {rank}'s first call to it is its call {seq} (its coordinator host died during "
+            f"the operation and a new one took over); the operation fails on every rank, run it again"
+        )
 
     def _left_error(self, gone: int, step: str) -> CheckpointError:
         after = self._closed.get(gone) or "its first step"

@@ -20,17 +20,17 @@ __all__ = ["Host", "Member", "start_members"]
 
 
 class Host:
-    """The coordinator host actor that runs the operations of ShardGroups, and the groups using it.
+    """The operations of a ShardGroup and of the groups its reshards make, in the coordinator host.
 
-    Started in the background by the first group; a group made by ``reshard`` shares
-    its source group's host (no actor start in the reshard); it ends with the last
-    group using it.
+    The cluster's coordinator host (:mod:`raydcp.runtime.actors`) runs them, its state for them
+    held under the first group's name; the first group starts the host if none runs (in the
+    background), and the state is released with the last group of them.
     """
 
     def __init__(self, name: str, world_size: int):
         self.name = name
         self.groups: set[str] = set()
-        actors.prepare_coordinator(name, world_size, 0)
+        actors.prepare_host()
 
     def join(self, group_name: str) -> "Host":
         self.groups.add(group_name)
@@ -40,7 +40,7 @@ class Host:
         if group_name in self.groups:
             self.groups.discard(group_name)
             if not self.groups:
-                actors.end_group(self.name)
+                actors.release_owner(self.name)
 
 
 class _Placement:

@@ -1,15 +1,16 @@
 """``RayTransport``: the transport protocol of ``raydcp.transport`` over Ray.
 
 Ranks are Ray actors or tasks (or the driver); the control plane goes through
-one coordinator per operation (``raydcp.runtime.coordinator``), hosted by one
-long-lived actor per group, the data plane through Ray's object store:
+one coordinator per operation (``raydcp.runtime.coordinator``), all of them run
+by the cluster's one coordinator host (``raydcp.runtime.coordinator_host``), the
+data plane through Ray's object store:
 
 1. ``RayTransport(group, op)`` (from :func:`open_transport`, which numbers the
-   operation, :mod:`raydcp.runtime.groups`) gets or creates
-   the group's coordinator host ``raydcp:<group>`` in namespace ``raydcp`` (the
-   first rank to get there creates it; later operations reuse it, so an
-   operation costs no actor start); the host makes operation ``op``'s
-   coordinator on its first call.
+   operation, :mod:`raydcp.runtime.groups`) takes this process's handle of the
+   host (:func:`raydcp.runtime.actors.coordinator_host`: looked up once per
+   process, started if none runs); the host makes operation ``op``'s coordinator
+   on its first call, so a new group costs no actor start. Every call of the
+   operation goes to that one host.
 2. ``reduce_scatter``: the rank sends its value to the coordinator and blocks on
    the reply; the coordinator bounds the wait by ``group.timeout_s``. Values and
    replies travel as ``raydcp.transport.Wire`` (plans as their columns; one
@@ -22,9 +23,15 @@ long-lived actor per group, the data plane through Ray's object store:
    itself skip the object store). The sender keeps
    the refs, and so the objects, alive until its next ``reduce_scatter`` returns.
 4. ``close`` drops the refs and tells the coordinator without waiting for its
-   answer (the next operation of the group checks it); when every rank closed,
-   the host drops the operation's coordinator (a failed one is remembered for
-   ``timeout_s``, so a late rank learns at once that the others ended it).
+   answer; when every rank closed, the host drops the operation's coordinator.
+
+If the host dies (killed, its process or node lost), every rank's call in flight,
+and every later call of the operation, fails with a ``CoordinatorLostError`` at
+once; a new host takes over (the first rank to look for one starts it), so the
+group's next operation works. A rank whose *first* call finds the host dead
+retries that call on the new host: the old one cannot have started the operation
+with it, so the operation goes on there (a rank that had got further fails it
+there, at once: :mod:`raydcp.runtime.coordinator`, step 1).
 
 A group of one rank needs no coordinator and runs everything in-process.
 """
@@ -45,6 +52,10 @@ from .groups import next_operation
 
 __all__ = ["RayTransport", "open_transport"]
 
+# Attempts of a rank's first call of an operation where it finds the host dead (a stale handle
+# of a host that was killed or lost: the name may take a moment to be free for a new one).
+_FIRST_CALL_ATTEMPTS = 3
+
 # Slack on top of timeout_s for the driver-side wait on the coordinator, which
 # itself answers within timeout_s of a rank's arrival; this only catches a
 # coordinator that cannot answer at all (e.g. never scheduled).
@@ -64,27 +75,6 @@ def _as_buffer(buf: Any) -> pa.Buffer:
     return pa.py_buffer(buf)
 
 
-# group name -> the ObjectRef of this process's last close() to that group's coordinator host
-_LAST_CLOSE: dict[str, ray.ObjectRef] = {}
-
-
-def _check_last_close(group_name: str) -> None:
-    """If this process's last close to the group's host found it dead, forget the host (a new one is made)."""
-    ref = _LAST_CLOSE.get(group_name)
-    if ref is None:
-        return
-    ready, _ = ray.wait([ref], timeout=0)
-    if not ready:
-        return
-    del _LAST_CLOSE[group_name]
-    try:
-        ray.get(ref, timeout=0)
-    except rex.RayActorError:  # the host died (its creator's process ended)
-        actors.forget_coordinator(group_name)
-    except Exception:
-        pass
-
-
 def open_transport(group: Group, *, host: str | None = None) -> "RayTransport":
     """The transport of this rank's next operation of ``group`` (numbered per process)."""
     return RayTransport(group, next_operation(group), host=host)
@@ -93,35 +83,28 @@ def open_transport(group: Group, *, host: str | None = None) -> "RayTransport":
 class RayTransport(Transport):
     """The transport of operation ``op`` of a :class:`raydcp.Group` whose ranks run on Ray.
 
-    ``host``: run the operation in the coordinator host of that (long-lived) group name rather
-    than in the group's own: a ShardGroup runs each operation under a fresh group name and all
-    of them in one host, started once.
+    ``host``: the owner of the operation's state in the coordinator host, where it is not the
+    group itself: a ShardGroup runs each operation under a fresh group name and releases all
+    of them, by its own name, when it shuts down.
     """
 
     def __init__(self, group: Group, op: int, *, host: str | None = None):
         self.group = group
-        # A group hosted by another group's host is told apart there by its name.
-        self._host_name = host or group.name
-        self.op = op if host is None else (group.name, op)
+        self.op = op
+        self._key = (host or group.name, group.name, op)
         self.rank = group.rank
         self.world_size = group.world_size
         self._timeout_s = float(group.timeout_s)
         self._seq = 0
         self._held: list[ray.ObjectRef] = []
         self._closed = False
-        self._creator: int | None = None
         self._coord = None
         if self.world_size > 1:
-            _check_last_close(self._host_name)
-            self._coord = actors.get_or_create_coordinator(self._host_name, self.world_size, self.rank)
+            self._coord = actors.coordinator_host()
 
     @property
     def coordinator_name(self) -> str:
-        return actors.coordinator_name(self._host_name)
-
-    @property
-    def _op_number(self) -> int:
-        return self.op[1] if isinstance(self.op, tuple) else self.op
+        return actors.host_name()
 
     # -- control plane --------------------------------------------------------
     def reduce_scatter(self, step, local, reduce_fn):
@@ -211,8 +194,7 @@ class RayTransport(Transport):
             return
         coord, self._coord = self._coord, None
         try:
-            # no wait for the answer (a round trip per operation): the next operation of the group checks it
-            _LAST_CLOSE[self._host_name] = coord.close.remote(self.op, self.rank)
+            coord.close.remote(self._key, self.rank)  # no wait for the answer: a round trip per operation
         except Exception:  # unreachable: nothing to release
             pass
 
@@ -220,57 +202,51 @@ class RayTransport(Transport):
     def _check_open(self, step):
         if self._closed:
             raise CheckpointError(
-                f"{step}: the transport of group '{self.group.name}' operation {self._op_number} is closed")
+                f"{step}: the transport of group '{self.group.name}' operation {self.op} is closed")
 
     def _call(self, step: str, method: str, value, *args):
         """One call to the coordinator: returns the rank's value (possibly a CheckpointError)."""
-        remote = getattr(self._coord, method).remote
         if method == "reduce_scatter":  # exchange values hold ObjectRefs: Ray must see those itself
             try:
                 value = encode(value)
             except Exception:  # Ray's own pickling may still manage, or says why not below
                 pass
+        for attempt in range(_FIRST_CALL_ATTEMPTS):
+            ref = self._submit(step, method, value, args)
+            try:
+                return decode(ray.get(ref, timeout=self._timeout_s + _REPLY_GRACE_S))
+            except rex.GetTimeoutError:
+                return CoordinatorLostError(
+                    f"{step}: the coordinator host {self.coordinator_name!r} did not answer rank {self.rank} of "
+                    f"group '{self.group.name}' within {self._timeout_s + _REPLY_GRACE_S:g}s; is the Ray cluster "
+                    "overloaded?")
+            except rex.ActorDiedError as exc:
+                actors.forget_host(self._coord)
+                if self._seq != 1 or attempt + 1 == _FIRST_CALL_ATTEMPTS:
+                    return self._host_died(step, exc)
+                # this rank's first call: the dead host cannot have started the operation with it
+                self._coord = actors.coordinator_host()
+            except rex.RayActorError as exc:
+                actors.forget_host(self._coord)
+                return self._host_died(step, exc)
+            except rex.RayTaskError as exc:
+                return CheckpointError(f"{step}: the coordinator host {self.coordinator_name!r} failed: {exc}")
+
+    def _submit(self, step: str, method: str, value, args) -> ray.ObjectRef:
+        remote = getattr(self._coord, method).remote
+        head = (self._key, self._timeout_s, self.rank, self.world_size, self._seq, step)
         try:
-            ref = remote(self.op, self._timeout_s, self.rank, self.world_size, self._seq, step, value, *args)
+            return remote(*head, value, *args)
         except Exception as exc:  # the value could not be serialized: still take part, as a failure
             failure = RankFailure(self.rank, f"could not send its value to the coordinator: {type(exc).__name__}: {exc}")
             extra = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
-            ref = remote(self.op, self._timeout_s, self.rank, self.world_size, self._seq, step, failure, *extra)
-        try:
-            self._creator, value = ray.get(ref, timeout=self._timeout_s + _REPLY_GRACE_S)
-            return decode(value)
-        except rex.GetTimeoutError:
-            return CoordinatorLostError(
-                f"{step}: the coordinator {self.coordinator_name!r} did not answer rank {self.rank} within "
-                f"{self._timeout_s + _REPLY_GRACE_S:g}s; is the Ray cluster overloaded?"
-            )
-        except rex.RayActorError as exc:
-            actors.forget_coordinator(self._host_name)
-            return self._coordinator_died(step, exc)
-        except rex.RayTaskError as exc:
-            return CheckpointError(f"{step}: the coordinator {self.coordinator_name!r} failed: {exc}")
+            return remote(*head, failure, *extra)
 
-    def _coordinator_died(self, step: str, exc: BaseException) -> CoordinatorLostError:
-        where = f"group '{self.group.name}' (operation {self._op_number})"
-        cause = str(exc)
-        if "killed by `ray.kill`" in cause or "killed by ray.kill" in cause:
-            # The other ranks closed the operation without this rank: it failed while this rank was late.
-            return CoordinatorLostError(
-                f"{step}: the coordinator of {where} is gone: the other ranks already ended the operation "
-                f"(it failed while rank {self.rank} was late; see their errors), or it was killed"
-            )
-        if "owner has died" in cause:
-            if self._creator is not None and self._creator != self.rank:
-                msg = (
-                    f"{step}: the coordinator of {where} died with the rank that created it: rank "
-                    f"{self._creator} died; check rank {self._creator}'s log"
-                )
-                return CoordinatorLostError(msg, dead_rank=self._creator, failures={self._creator: "died (its coordinator died with it)"})
-            return CoordinatorLostError(
-                f"{step}: the coordinator of {where} died with the rank that created it, which died "
-                f"before rank {self.rank} learned which rank that was; check the ranks' logs"
-            )
+    def _host_died(self, step: str, exc: BaseException) -> CoordinatorLostError:
+        cause = str(exc).strip().splitlines()
         return CoordinatorLostError(
-            f"{step}: the coordinator of {where} died (rank {self.rank} was waiting); a rank or node of the "
-            f"group probably died; check the ranks' logs ({cause.splitlines()[-1] if cause else type(exc).__name__})"
+            f"{step}: the coordinator host {self.coordinator_name!r} died while rank {self.rank} of group "
+            f"'{self.group.name}' was in operation {self.op} (it was killed, or its process or node died), so the "
+            "operation fails on every rank; a save either committed whole or not at all, so run it again: the "
+            f"next operation starts a new host ({type(exc).__name__}: {cause[-1] if cause else ''})"
         )

@@ -117,7 +117,7 @@ class _FaultTransport(RayTransport):
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             try:
-                status = ray.get(self._coord.status.remote(self.op), timeout=within_s)
+                status = ray.get(self._coord.status.remote(self._key), timeout=within_s)
                 if status is not None and status["failed"]:  # None: the others have not started yet
                     return
             except Exception:  # ended already

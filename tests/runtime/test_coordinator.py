@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from raydcp.errors import CheckpointError, RankFailedError, RankFailure, RanksTimedOutError
+from raydcp.errors import CheckpointError, CoordinatorLostError, RankFailedError, RankFailure, RanksTimedOutError
 from raydcp.runtime.coordinator import Coordinator
 
 from ._ranks import add_rank_sum, boom, buggy, gather_all, wrong_length
@@ -191,39 +191,6 @@ def test_status_snapshot():
     run(main())
 
 
-def test_host_decodes_wire_values_and_encodes_a_shared_reply_once():
-    from raydcp.runtime.actors import CoordinatorHost
-    from raydcp.transport import Wire, decode, encode
-
-    def shared(values):  # one object for every rank, as the commit step's metadata
-        out = list(values)
-        return [out] * len(values)
-
-    async def main():
-        host = CoordinatorHost("g", 0)
-        calls = [host.reduce_scatter(0, 5.0, r, 3, 1, "commit", encode({"rank": r}), shared) for r in range(3)]
-        replies = await asyncio.gather(*calls)
-        wires = [v for _, v in replies]
-        assert all(isinstance(w, Wire) for w in wires)
-        assert wires[0] is wires[1] is wires[2]  # one object for every rank: pickled once
-        assert decode(wires[0]) == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
-        # plain values (a rank that could not encode) and per-rank replies
-        replies = await asyncio.gather(*(host.reduce_scatter(0, 5.0, r, 3, 2, "plan", r, add_rank_sum)
-                                         for r in range(3)))
-        assert [decode(v) for _, v in replies] == [3, 4, 5]
-        assert host._memo is not None
-        assert [await host.close(0, r) for r in range(3)] == [False, False, True]
-        assert host._memo is None and host.ops == {}  # the operation ended: its reply is not kept
-        # a value the host cannot decode fails every rank, naming the rank
-        bad = Wire(b"not a pickle")
-        replies = await asyncio.gather(*(host.reduce_scatter(1, 5.0, r, 2, 1, "plan", bad if r else encode(r),
-                                                             gather_all) for r in range(2)))
-        errs = [v for _, v in replies]
-        assert all(isinstance(e, CheckpointError) and "rank 1" in str(e) and "decoded" in str(e) for e in errs)
-
-    run(main())
-
-
 def test_a_second_caller_for_a_rank_fails_the_operation_on_every_rank_even_after_its_round_completed():
     """Two unrelated saves share a Group name: X's rank 0 and Y's rank 1 complete call 1 together;
     when Y's rank 0 arrives at call 1 the operation fails on every rank, before anything mixes further."""
@@ -238,21 +205,46 @@ def test_a_second_caller_for_a_rank_fails_the_operation_on_every_rank_even_after
     run(main())
 
 
-def test_host_refuses_a_late_caller_of_an_operation_that_already_completed():
-    from raydcp.runtime.actors import CoordinatorHost
-    from raydcp.transport import decode
+def test_a_first_call_past_call_1_means_the_operation_was_lost_and_fails_every_rank():
+    """A rank whose first call here is its call 2 made call 1 to a coordinator that is gone (its host
+    died): the rank waiting at call 1 (a retry on the new host) fails at once, as does every later call."""
+    async def main():
+        c = Coordinator("g", 3, 2, timeout_s=30)
+        waiting = asyncio.ensure_future(c.reduce_scatter(0, 2, 1, "save: plan", 0, gather_all))
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        _, err = await c.reduce_scatter(1, 2, 2, "save: commit", 1, gather_all)
+        assert isinstance(err, CoordinatorLostError) and "rank 1's first call to it is its call 2" in str(err)
+        assert "operation 3" in str(err) and "'g'" in str(err)
+        assert (await waiting)[1] is err and time.monotonic() - t0 < 1
+        _, later = await c.reduce_scatter(0, 2, 2, "save: commit", 0, gather_all)
+        assert later is err
+
+    run(main())
+
+
+def test_a_slow_reduction_runs_in_a_thread_and_no_waiting_rank_times_out_for_it():
+    """Every rank arrived: the reduction may outlast timeout_s (the ranks wait for it, not for a peer),
+    and it runs off the event loop, which meanwhile serves other calls."""
+    import threading
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow(values):
+        started.set()
+        release.wait(30)
+        return [sum(values)] * len(values)
 
     async def main():
-        host = CoordinatorHost("shared", 0)
-        replies = await asyncio.gather(*(host.reduce_scatter(1, 5.0, r, 2, 1, "save: plan", r, gather_all)
-                                         for r in range(2)))
-        assert [decode(v) for _, v in replies] == [[0, 1]] * 2
-        assert [await host.close(1, r) for r in range(2)] == [False, True]
-        # the other save's callers of operation 1 come late: refused, not run as operation 1 again
-        replies = await asyncio.gather(*(host.reduce_scatter(1, 5.0, r, 2, 1, "save: plan", r, gather_all)
-                                         for r in range(2)))
-        errs = [v for _, v in replies]
-        assert all(isinstance(e, CheckpointError) and "already completed" in str(e) for e in errs)
-        assert host.ops == {}
+        c = Coordinator("g", 0, 2, timeout_s=0.2)
+        both = asyncio.ensure_future(rs_all(c, 1, "plan", [1, 2], slow))
+        other = Coordinator("h", 0, 1, timeout_s=5)
+        assert await asyncio.to_thread(started.wait, 30)
+        # the loop is free while the reduction runs: another operation completes now
+        assert await other.reduce_scatter(0, 1, 1, "plan", 7, gather_all) == (None, [7])
+        await asyncio.sleep(0.4)  # past timeout_s of the waiting ranks
+        release.set()
+        assert await both == [3, 3]
 
     run(main())

@@ -161,20 +161,23 @@ def test_operations_need_state(ray_session, pool):
         g.full_state_dict()
 
 
-def test_operations_leave_no_coordinator_hosts_behind(ray_session, tmp_path):
+def test_operations_run_in_the_clusters_one_host_and_leave_no_state_behind(ray_session, tmp_path):
     import raydcp as _raydcp
+    from raydcp.runtime import actors
 
     _raydcp.save({"w": torch.arange(12.0).reshape(6, 2)}, tmp_path / "ck")
     sg = _raydcp.ShardGroup(2, num_gpus_per_actor=0)
+    host = ray_session.get_actor(actors.host_name(), namespace=actors.NAMESPACE)
     try:
         sg.load(tmp_path / "ck")
         other = sg.reshard(3)
         other.shutdown()
         names = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
-        assert not [n for n in names if n.startswith(f"raydcp:{sg.name}.")], names  # no host per operation
-        assert f"raydcp:{sg.name}" in names  # the group's one host
+        assert not [n for n in names if sg.name in n], names  # no host per group or operation
+        assert [n for n in names if n.startswith("raydcp-coordinator-")] == [actors.host_name()]
+        state = ray_session.get(host.owner_status.remote(sg.name))  # the operations' records, under the group
+        assert state["ops"] == [] and state["records"] >= 2
     finally:
         sg.shutdown()
-    names = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)]
-    assert not [n for n in names if n.startswith(f"raydcp:{sg.name}")], names
-
+    ray_session.get(host.ready.remote())  # after the release, sent before it
+    assert ray_session.get(host.owner_status.remote(sg.name)) is None

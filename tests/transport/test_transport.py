@@ -64,12 +64,19 @@ def run_all(ray, actors, ops_by_rank):
     return ray.get([a.run.remote(ops) for a, ops in zip(actors, ops_by_rank)])
 
 
+def the_host(ray):
+    """The cluster's coordinator host."""
+    from raydcp.runtime import actors
+
+    return ray.get_actor(actors.host_name(), namespace=actors.NAMESPACE)
+
+
 def wait_ended(ray, group_name, op=0, within_s=10.0):
-    """True once the group's host dropped operation ``op`` (every rank closed it)."""
-    host = ray.get_actor(f"raydcp:{group_name}", namespace="raydcp")
+    """True once the host dropped operation ``op`` of the group (every rank closed it)."""
+    host = the_host(ray)
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        status = ray.get(host.status.remote(op))
+        status = ray.get(host.status.remote((group_name, group_name, op)))
         if status is None or status.get("ended"):
             return True
         time.sleep(0.05)
@@ -79,8 +86,8 @@ def wait_ended(ray, group_name, op=0, within_s=10.0):
 def test_reduce_scatter_by_rank_and_operation_ended_after_close(ray_session, pool):
     name = uname("rs")
     coord = start(ray_session, pool, name)
-    assert coord == f"raydcp:{name}"
-    assert ray_session.get_actor(coord, namespace="raydcp")
+    assert coord.startswith("raydcp-coordinator-")  # the cluster's one host, not one per group
+    assert ray_session.get_actor(coord, namespace="raydcp")._actor_id == the_host(ray_session)._actor_id
     ops = [[("rs", "plan", 10 * r, add_rank_sum), ("rs", "commit", r, gather_all), ("close",)] for r in range(4)]
     out = run_all(ray_session, pool, ops)
     for r, res in enumerate(out):
@@ -213,18 +220,18 @@ def test_two_groups_run_concurrently(ray_session, pool):
     assert wait_ended(ray_session, a_name) and wait_ended(ray_session, b_name)
 
 
-def test_operations_of_a_group_share_one_host_with_fresh_coordinators(ray_session, pool):
-    name = uname("ops")
+def test_operations_of_groups_share_one_host_with_fresh_coordinators(ray_session, pool):
     actors = pool[:2]
     hosts = set()
-    for op in range(3):
-        coord = ray_session.get([a.open.remote(name, r, 2, 30.0) for r, a in enumerate(actors)])
-        assert coord == [f"raydcp:{name}"] * 2
-        hosts.add(ray_session.get_actor(coord[0], namespace="raydcp")._actor_id)
-        out = run_all(ray_session, actors, [[("rs", "s", r + op, gather_all), ("close",)] for r in range(2)])
-        assert out[0][0] == ("ok", [op, op + 1])
-        assert wait_ended(ray_session, name, op)
-    assert len(hosts) == 1  # no actor start per operation
+    for name in (uname("ops"), uname("ops")):
+        for op in range(3):
+            coord = ray_session.get([a.open.remote(name, r, 2, 30.0) for r, a in enumerate(actors)])
+            hosts.add(coord[0])
+            hosts.add(ray_session.get_actor(coord[0], namespace="raydcp")._actor_id)
+            out = run_all(ray_session, actors, [[("rs", "s", r + op, gather_all), ("close",)] for r in range(2)])
+            assert out[0][0] == ("ok", [op, op + 1])
+            assert wait_ended(ray_session, name, op)
+    assert len(hosts) == 2  # one name and one actor for every operation of every group: no actor start
 
 
 def test_group_counts_operations(ray_session):
@@ -288,8 +295,8 @@ def test_prepare_starts_the_host_that_the_first_operation_then_uses(ray_session)
     groups = [Group(name, r, 2, timeout_s=30.0) for r in range(2)]
     Group(uname("solo"), 0, 1).prepare()  # one rank: nothing to start, nothing raised
     groups[0].prepare()
-    host = ray_session.get_actor(f"raydcp:{name}", namespace="raydcp")  # exists right after the call
-    assert ray_session.get(host.status.remote()) == {"group": name, "creator_rank": 0, "ops": []}
+    host = the_host(ray_session)  # exists right after the call
+    assert ray_session.get(host.ready.remote()) is True
     results = [None] * 2
 
     def rank(r):
@@ -303,8 +310,7 @@ def test_prepare_starts_the_host_that_the_first_operation_then_uses(ray_session)
     for th in threads:
         th.join(30)
     assert results == [[1, 2], [1, 2]]
-    assert actors._HOSTS[name]._actor_id == host._actor_id  # the prepared host ran the operation
-    actors.end_group(name)
+    assert actors.coordinator_host()._actor_id == host._actor_id  # the prepared host ran the operation
 
 
 def test_thread_transport_second_caller_for_a_rank_fails_every_rank():
