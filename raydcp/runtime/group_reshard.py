@@ -76,7 +76,7 @@ def run_reshard(old: "ShardGroup", new: "ShardGroup", reuse: list, specs: dict, 
     added = [j for j, i in enumerate(reuse) if i is None]
     refs, groups = {}, {}
     for j, actor in enumerate(new.actors):
-        local = (old.name, plan.local[j]) if reuse[j] is not None else None
+        local = (old.name, reuse[j], plan.local[j]) if reuse[j] is not None else None
         incoming = [(i, moves) for (i, jj), moves in sorted(messages.items()) if jj == j]
         args = (new.name, j, m, specs, keys, new.layout, old.name, local)
         if direct:

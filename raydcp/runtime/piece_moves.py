@@ -107,12 +107,12 @@ def copy_in(state: dict, moves: Sequence[Move], bufs: Sequence[Any], who: str, s
     return total
 
 
-def copy_local(src: dict, dest: dict, moves: Iterable[Move], who: str) -> int:
+def copy_local(src: dict, dest: dict, moves: Iterable[Move], who: str, src_who: str) -> int:
     """Copy ``moves`` from the old pieces ``src`` to the new pieces ``dest`` of the same actor; returns bytes."""
     total = 0
     for mv in moves:
         if mv.nbytes:
-            region(dest, mv, who).copy_(region(src, mv, who + " (old group)"))
+            region(dest, mv, who).copy_(region(src, mv, src_who))
             total += mv.nbytes
     return total
 

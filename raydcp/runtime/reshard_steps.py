@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..planner.transfer import Move
 from .piece_moves import copy_in, copy_local, outgoing, plain_values
 
-__all__ = ["publish", "receive", "Incoming"]
+__all__ = ["publish", "receive", "receive_direct", "Incoming", "Local"]
 
 # local copies done between two polls of the outstanding messages
 _LOCAL_BATCH_BYTES = 16 << 20
@@ -38,6 +38,8 @@ _LOCAL_BATCH_BYTES = 16 << 20
 # (old rank, its moves, [ObjectRef of its publish task]) -- the ref nested in a list so that Ray
 # hands it to the receive task as a ref (the task starts before the message exists)
 Incoming = tuple[int, Sequence[Move], list]
+# (the old pieces in this actor, who holds them (for errors), the moves copied from them)
+Local = tuple[dict, str, Sequence[Move]]
 
 
 def publish(state: dict, who: str, moves: Sequence[Move], value_keys: Sequence[str] | None, *, rdt: bool):
@@ -65,18 +67,18 @@ class _Clock:
         self.t["last_message"] = now
 
 
-def receive(dest: dict, who: str, local: tuple[dict, Sequence[Move]] | None, incoming: Sequence[Incoming],
+def receive(dest: dict, who: str, local: Local | None, incoming: Sequence[Incoming],
             values: tuple[Any, Sequence[str]], timeout_s: float) -> tuple[dict | None, dict]:
-    """Fill ``dest`` (the new rank's pieces) from the old pieces ``local`` = (state, moves) of the
-    same actor and from the messages ``incoming``; returns (the plain values, timings).
+    """Fill ``dest`` (the new rank's pieces) from the old pieces ``local`` = (state, who holds
+    it, moves) of the same actor and from the messages ``incoming``; returns (the plain values, timings).
 
     ``values`` = (where the plain values come from: "local", or the old rank whose message carries
     them; their keys). Messages are copied as they arrive; local boxes are copied while none is
     waiting, so the copies overlap the transfers.
     """
     clock = _Clock()
-    src_state, todo = local if local is not None else ({}, ())
-    got = _local_values(src_state, values, who)
+    src_state, src_who, todo = local if local is not None else ({}, "", ())
+    got = _local_values(src_state, values, src_who)
     pending = {inc[2][0]: inc for inc in incoming}
     k = 0
     deadline = time.monotonic() + timeout_s
@@ -87,7 +89,7 @@ def receive(dest: dict, who: str, local: tuple[dict, Sequence[Move]] | None, inc
                             timeout=0 if more_local else max(0.0, deadline - time.monotonic()))
         if not ready:
             if more_local:  # nothing arrived yet: copy local boxes meanwhile
-                k = _copy_batch(src_state, dest, todo, k, who, clock, clock.add("wait_s", t0))
+                k = _copy_batch(src_state, dest, todo, k, (who, src_who), clock, clock.add("wait_s", t0))
                 continue
             missing = sorted(inc[0] for inc in pending.values())
             raise CheckpointError(f"{who}: the pieces from old ranks {missing} did not arrive within {timeout_s:g}s "
@@ -103,18 +105,18 @@ def receive(dest: dict, who: str, local: tuple[dict, Sequence[Move]] | None, inc
             got = message_values
         clock.add("copy_in_s", t0)
     while k < len(todo):
-        k = _copy_batch(src_state, dest, todo, k, who, clock, time.perf_counter())
+        k = _copy_batch(src_state, dest, todo, k, (who, src_who), clock, time.perf_counter())
     return got, _done(clock)
 
 
-def receive_direct(dest: dict, who: str, local: tuple[dict, Sequence[Move]] | None,
+def receive_direct(dest: dict, who: str, local: Local | None,
                    incoming: Sequence[tuple[int, Sequence[Move]]], messages: Sequence[Any],
                    values: tuple[Any, Sequence[str]]) -> tuple[dict | None, dict]:
     """:func:`receive` for messages that came by Ray Direct Transport: ``messages[k]`` is the
     message of ``incoming[k]``, already received (RDT delivers a task's arguments before it runs)."""
     clock = _Clock()
-    src_state, todo = local if local is not None else ({}, ())
-    got = _local_values(src_state, values, who)
+    src_state, src_who, todo = local if local is not None else ({}, "", ())
+    got = _local_values(src_state, values, src_who)
     t0 = time.perf_counter()
     for (rank, moves), message in zip(incoming, messages):
         clock.arrived()
@@ -125,7 +127,7 @@ def receive_direct(dest: dict, who: str, local: tuple[dict, Sequence[Move]] | No
     clock.add("copy_in_s", t0)
     k = 0
     while k < len(todo):
-        k = _copy_batch(src_state, dest, todo, k, who, clock, time.perf_counter())
+        k = _copy_batch(src_state, dest, todo, k, (who, src_who), clock, time.perf_counter())
     return got, _done(clock)
 
 
@@ -134,11 +136,12 @@ def _local_values(src_state: dict, values: tuple[Any, Sequence[str]], who: str) 
     return plain_values(src_state, keys, who) if where == "local" else None
 
 
-def _copy_batch(src: dict, dest: dict, moves: Sequence[Move], k: int, who: str, clock: _Clock, t0: float) -> int:
+def _copy_batch(src: dict, dest: dict, moves: Sequence[Move], k: int, who: tuple[str, str], clock: _Clock,
+                t0: float) -> int:
     """Copy the local moves from index ``k`` on, about _LOCAL_BATCH_BYTES of them; returns the next index."""
     done = 0
     while k < len(moves) and done < _LOCAL_BATCH_BYTES:
-        done += copy_local(src, dest, (moves[k],), who)
+        done += copy_local(src, dest, (moves[k],), *who)
         k += 1
     clock.t["local_bytes"] += done
     clock.add("local_s", t0)

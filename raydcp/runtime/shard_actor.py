@@ -6,7 +6,8 @@ method takes the name of the ShardGroup whose state it works on (its *slot*) and
 fresh name per operation, so a failed operation never leaves the next one out of
 step, run in the ShardGroup's one coordinator host -- and returns its result, or
 the ``CheckpointError`` it raised (as a value: the driver gathers every rank's
-outcome and raises once).
+outcome and raises once). The steps of a reshard (``publish``, ``take``) need no
+group spec: the driver plans them alone (``raydcp.runtime.group_reshard``).
 """
 from __future__ import annotations
 
@@ -80,19 +81,6 @@ class ShardActor:
 
         return self._outcome(run)
 
-    def receive(self, slot: str, group: GroupSpec, rank: int, world_size: int, specs: Specs,
-                value_keys: Iterable[str], layout: str, source: str | None = None, prepared_by: str | None = None):
-        """Receive group ``slot``'s pieces (``rank`` of ``world_size`` in ``layout``) from a transfer;
-        with ``source``, this actor also serves that group's pieces to the same transfer. Pieces
-        ``prepare_receive`` allocated for ``prepared_by`` are filled if they fit, new ones otherwise."""
-        def run():
-            state = self._pieces(prepared_by, specs, value_keys, layout, rank, world_size)
-            self._run(group, lambda t: transfer_with(t, self._state(source) if source is not None else None, state))
-            self._keep(slot, state)
-            return None
-
-        return self._outcome(run)
-
     # -- a ShardGroup reshard (raydcp.runtime.reshard_steps): no coordinator, one message per pair
     def publish(self, slot: str, rank: int, moves: Sequence, value_keys: Sequence[str] | None, rdt: bool = False):
         """The message of rank ``rank`` of group ``slot`` to one new rank: (plain values or None, one
@@ -105,10 +93,10 @@ class ShardActor:
         return out
 
     def take(self, slot: str, rank: int, world_size: int, specs: Specs, value_keys: Sequence[str], layout: str,
-             prepared_by: str | None, local: tuple[str, Sequence] | None, incoming: Sequence[Incoming],
+             prepared_by: str | None, local: tuple[str, int, Sequence] | None, incoming: Sequence[Incoming],
              values_from: Any, timeout_s: float):
         """Receive new rank ``rank`` of group ``slot`` (of ``world_size``, in ``layout``): ``local`` =
-        (the old group, the moves copied from its pieces here), ``incoming``: the messages of the old
+        (the old group, its rank on this actor, the moves copied from its pieces here), ``incoming``: the messages of the old
         ranks, as they arrive. Returns the phase timings, or the CheckpointError."""
         def run(state, who, src):
             return receive(state, who, src, incoming, (values_from, value_keys), timeout_s)
@@ -116,7 +104,7 @@ class ShardActor:
         return self._take(slot, rank, world_size, specs, value_keys, layout, prepared_by, local, run)
 
     def take_direct(self, slot: str, rank: int, world_size: int, specs: Specs, value_keys: Sequence[str],
-                    layout: str, prepared_by: str | None, local: tuple[str, Sequence] | None,
+                    layout: str, prepared_by: str | None, local: tuple[str, int, Sequence] | None,
                     incoming: Sequence[tuple[int, Sequence]], values_from: Any, *messages):
         """:meth:`take` with the messages sent by Ray Direct Transport (the task's arguments ``messages``)."""
         def run(state, who, src):
@@ -131,7 +119,10 @@ class ShardActor:
         def step():
             state = self._pieces(prepared_by, specs, value_keys, layout, rank, world_size)
             who = f"rank {rank} of ShardGroup '{slot}'"
-            values, timings = run(state, who, (self._state(local[0]), local[1]) if local is not None else None)
+            src = None
+            if local is not None:  # (old group, its rank here, moves)
+                src = (self._state(local[0]), f"rank {local[1]} of ShardGroup '{local[0]}'", local[2])
+            values, timings = run(state, who, src)
             if value_keys:
                 if values is None:
                     raise CheckpointError(f"{who} received no plain values ({', '.join(value_keys)}); "
