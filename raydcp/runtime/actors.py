@@ -118,7 +118,8 @@ def release_owner(owner: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _remote_class(cls):
-    return ray.remote(cls)
+    # tensor transport on: a ShardGroup reshard may send through Ray Direct Transport (runtime/rdt.py)
+    return ray.remote(enable_tensor_transport=True)(cls)
 
 
 def start_shard_actor(cls, rank: int, world_size: int, pg, *, num_gpus: float, num_cpus: float,

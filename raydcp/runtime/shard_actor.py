@@ -6,12 +6,14 @@ method takes the name of the ShardGroup whose state it works on (its *slot*) and
 fresh name per operation, so a failed operation never leaves the next one out of
 step, run in the ShardGroup's one coordinator host -- and returns its result, or
 the ``CheckpointError`` it raised (as a value: the driver gathers every rank's
-outcome and raises once).
+outcome and raises once). The steps of a reshard (``publish``, ``take``) need no
+group spec: the driver plans them alone (``raydcp.runtime.group_reshard``).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable
+import time
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -23,6 +25,7 @@ from ..planner.layouts import Specs
 from ..transport import Transport
 from .layouts import empty_state
 from .ray_transport import RayTransport
+from .reshard_steps import Incoming, publish, receive, receive_direct
 
 __all__ = ["ShardActor"]
 
@@ -46,6 +49,7 @@ class ShardActor:
         self.states: dict[str, dict[str, Any]] = {}  # group name -> its flat state on this actor
         self._dropped: set[str] = set()
         self._prepared: dict[str, tuple] = {}  # by the group that prepared them: (what for, pieces)
+        self.transfer_log: list[tuple] = []  # (step, wall-clock start, end, bytes) of recent reshard steps
 
     # -- collective steps (every rank of the group at once) -----------------------------
     def load(self, slot: str, group: GroupSpec, checkpoint_id: str, fresh: tuple | None, strict: bool,
@@ -77,22 +81,66 @@ class ShardActor:
 
         return self._outcome(run)
 
-    def receive(self, slot: str, group: GroupSpec, rank: int, world_size: int, specs: Specs,
-                value_keys: Iterable[str], layout: str, source: str | None = None, prepared_by: str | None = None):
-        """Receive group ``slot``'s pieces (``rank`` of ``world_size`` in ``layout``) from a transfer;
-        with ``source``, this actor also serves that group's pieces to the same transfer. Pieces
-        ``prepare_receive`` allocated for ``prepared_by`` are filled if they fit, new ones otherwise."""
-        def run():
-            ready = self._prepared.pop(prepared_by, None)
-            if ready is not None and ready[0] == (rank, world_size, layout, _spec_key(specs, value_keys)):
-                state = ready[1]
-            else:
-                state = self._empty(specs, value_keys, layout, rank, world_size)
-            self._run(group, lambda t: transfer_with(t, self._state(source) if source is not None else None, state))
-            self._keep(slot, state)
-            return None
+    # -- a ShardGroup reshard (raydcp.runtime.reshard_steps): no coordinator, one message per pair
+    def publish(self, slot: str, rank: int, moves: Sequence, value_keys: Sequence[str] | None, rdt: bool = False):
+        """The message of rank ``rank`` of group ``slot`` to one new rank: (plain values or None, one
+        buffer per move), views of the held pieces; or the CheckpointError."""
+        t0 = time.time()
+        self._at("reshard: publish", None)
+        out = self._outcome(lambda: publish(self._state(slot), f"rank {rank} of ShardGroup '{slot}'", moves,
+                                            value_keys, rdt=rdt))
+        self._log("publish", t0, sum(m.nbytes for m in moves))
+        return out
 
-        return self._outcome(run)
+    def take(self, slot: str, rank: int, world_size: int, specs: Specs, value_keys: Sequence[str], layout: str,
+             prepared_by: str | None, local: tuple[str, int, Sequence] | None, incoming: Sequence[Incoming],
+             values_from: Any, timeout_s: float):
+        """Receive new rank ``rank`` of group ``slot`` (of ``world_size``, in ``layout``): ``local`` =
+        (the old group, its rank on this actor, the moves copied from its pieces here), ``incoming``: the messages of the old
+        ranks, as they arrive. Returns the phase timings, or the CheckpointError."""
+        def run(state, who, src):
+            return receive(state, who, src, incoming, (values_from, value_keys), timeout_s)
+
+        return self._take(slot, rank, world_size, specs, value_keys, layout, prepared_by, local, run)
+
+    def take_direct(self, slot: str, rank: int, world_size: int, specs: Specs, value_keys: Sequence[str],
+                    layout: str, prepared_by: str | None, local: tuple[str, int, Sequence] | None,
+                    incoming: Sequence[tuple[int, Sequence]], values_from: Any, *messages):
+        """:meth:`take` with the messages sent by Ray Direct Transport (the task's arguments ``messages``)."""
+        def run(state, who, src):
+            return receive_direct(state, who, src, incoming, messages, (values_from, value_keys))
+
+        return self._take(slot, rank, world_size, specs, value_keys, layout, prepared_by, local, run)
+
+    def _take(self, slot, rank, world_size, specs, value_keys, layout, prepared_by, local, run):
+        t0 = time.time()
+        self._at("reshard: receive", None)
+
+        def step():
+            state = self._pieces(prepared_by, specs, value_keys, layout, rank, world_size)
+            who = f"rank {rank} of ShardGroup '{slot}'"
+            src = None
+            if local is not None:  # (old group, its rank here, moves)
+                src = (self._state(local[0]), f"rank {local[1]} of ShardGroup '{local[0]}'", local[2])
+            values, timings = run(state, who, src)
+            if value_keys:
+                if values is None:
+                    raise CheckpointError(f"{who} received no plain values ({', '.join(value_keys)}); "
+                                          f"the reshard's plan names no sender for them (a bug)")
+                state.update(values)
+            self._keep(slot, state)
+            return timings
+
+        out = self._outcome(step)
+        self._log("take", t0, 0)
+        return out
+
+    def transfer_steps(self, clear: bool = True) -> list[tuple]:
+        """The reshard steps this actor ran lately: (step, wall-clock start, end, bytes published)."""
+        out = list(self.transfer_log)
+        if clear:
+            self.transfer_log.clear()
+        return out
 
     def prepare_receive(self, prepared_by: str, rank: int, world_size: int, specs: Specs,
                         value_keys: Iterable[str], layout: str) -> None:
@@ -143,6 +191,21 @@ class ShardActor:
     def _keep(self, slot: str, state: dict) -> None:
         if slot not in self._dropped:  # a group that shut down while this step ran keeps nothing here
             self.states[slot] = state
+
+    def _pieces(self, prepared_by: str | None, specs: Specs, value_keys: Iterable[str], layout: str, rank: int,
+                world_size: int) -> dict:
+        """The pieces ``prepare_receive`` allocated for ``prepared_by`` if they fit, new ones otherwise."""
+        ready = self._prepared.pop(prepared_by, None)
+        if ready is not None and ready[0] == (rank, world_size, layout, _spec_key(specs, value_keys)):
+            return ready[1]
+        return self._empty(specs, value_keys, layout, rank, world_size)
+
+    def _at(self, step: str, transport: Transport | None = None) -> None:
+        """Called as this actor enters ``step`` of an operation (a hook: tests inject faults here)."""
+
+    def _log(self, step: str, t0: float, nbytes: int) -> None:
+        self.transfer_log.append((step, t0, time.time(), nbytes))
+        del self.transfer_log[:-64]
 
     def _empty(self, specs: Specs, value_keys: Iterable[str], layout: str, rank: int, world_size: int) -> dict:
         return empty_state(specs, value_keys, layout, rank, world_size, self.device)

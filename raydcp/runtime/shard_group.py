@@ -12,8 +12,10 @@ actors, and of the driver itself for ``full_state_dict``):
    tensor in the layout, then load them collectively; a later load fills the
    held pieces in place (``strict`` as in ``raydcp.load``).
 3. ``save(checkpoint_id)``: a collective ``raydcp.save`` of the held pieces.
-4. ``reshard(M2)``: a new ShardGroup of M2 ranks receives the state from this one
-   through the object store (``raydcp.engine.transfer_with``), no storage round trip.
+4. ``reshard(M2)``: a new ShardGroup of M2 ranks receives the state from this one in
+   memory, no storage round trip: the driver plans the moves from the two layouts and
+   each old rank sends one message per new rank it serves, through the object store or
+   by Ray Direct Transport (``raydcp.runtime.group_reshard``; no coordinator round).
    The new group keeps this group's actors where they already hold the most of
    their new pieces (``planner.layouts.reuse_ranks``; those bytes are copied within the
    actor), so it starts actors only for the ranks it adds, and a 4 -> 6 reshard
@@ -48,8 +50,11 @@ from ..group import Group
 from ..planner.layouts import check_layout, reuse_ranks
 from .layouts import empty_state
 from .members import Host, Member, start_members
-from .ray_transport import RayTransport
+from . import rdt
+from .group_reshard import check_backend, choose_transport, participants, run_reshard
 from .outcomes import gather_outcomes
+from .ray_transport import RayTransport
+from .rdt import check_transport
 from .shard_actor import ShardActor
 
 __all__ = ["ShardGroup"]
@@ -132,6 +137,8 @@ class ShardGroup:
         self._members: list[Member] = []
         self._spares: list[Member] = []  # started by prepare_reshard for a later reshard
         self._prepared: list = []  # prepare_reshard's allocations in the actors, still running
+        self._rdt_pending = None  # prepare_reshard's RDT collective group, being made
+        self.last_transfer: dict | None = None  # where the reshard that made this group spent its time
 
         if not ray.is_initialized():
             ray.init()
@@ -202,16 +209,20 @@ class ShardGroup:
                            {r: a.save.remote(self.name, spec(r), ckpt, storage_options) for r, a in enumerate(self.actors)})
         return out[0]
 
-    def reshard(self, world_size: int, *, layout: str | None = None,
-                num_gpus_per_actor: float | None = None) -> "ShardGroup":
-        """A new ShardGroup of ``world_size`` ranks holding this state (through the object store).
+    def reshard(self, world_size: int, *, layout: str | None = None, num_gpus_per_actor: float | None = None,
+                transport: str | None = None) -> "ShardGroup":
+        """A new ShardGroup of ``world_size`` ranks holding this state, moved in memory.
 
         The new group keeps this group's actors where they hold the most of their new
         pieces and starts actors (or takes those ``prepare_reshard`` started) for the
-        rest; this group keeps its state and stays usable.
+        rest; this group keeps its state and stays usable. ``transport``: "object_store"
+        (Ray's object store, any devices), "rdt" (Ray Direct Transport: NCCL between CUDA
+        actors, gloo between CPU actors) or None (RDT over NCCL where the tensors are CUDA
+        and Ray's NCCL groups are available, else the object store).
         """
         self._begin("reshard", need_state=True)
         lay = check_layout(layout or self.layout)
+        transport = choose_transport(self, check_transport(transport))
         if self._prepared:  # pieces still being allocated: a receive must not start before them
             ray.wait(self._prepared, num_returns=len(self._prepared), timeout=self.timeout_s)
             self._prepared = []
@@ -230,24 +241,35 @@ class ShardGroup:
                     m.end()
             raise
         try:
-            self._transfer_to(new, reuse, specs, keys)
+            backend, pending = None, None
+            if transport == "rdt":
+                what = f"ShardGroup '{self.name}' reshard({world_size})"
+                backend = check_backend(self, new.devices, what)
+                pending, self._rdt_pending = self._rdt_pending, None
+                everyone = participants(self, new.actors)
+                if pending is None or not pending.matches(everyone, backend):
+                    pending = rdt.prepare(everyone, backend, self.timeout_s)
+            new.last_transfer = run_reshard(self, new, reuse, specs, keys, transport, backend, pending)
         except BaseException:
             new.shutdown()
             raise
         new._specs = self._specs
         return new
 
-    def prepare_reshard(self, world_size: int, *, layout: str | None = None) -> "ShardGroup":
+    def prepare_reshard(self, world_size: int, *, layout: str | None = None,
+                        transport: str | None = None) -> "ShardGroup":
         """Start now, in the background, the actors a later ``reshard(world_size, layout=...)`` adds,
         and have every actor of that reshard allocate its new pieces; returns self.
 
         For elastic scale-up: the new workers' actors start (imports, placement) and the
         destination memory is allocated while training goes on, and the reshard then only
-        moves the pieces. Unused actors end with this group; unused pieces are freed by
-        the next reshard or when this group shuts down.
+        moves the pieces. With ``transport="rdt"`` the collective group RDT sends through is
+        made in the background too. Unused actors end with this group; unused pieces are
+        freed by the next reshard or when this group shuts down.
         """
         self._begin("prepare_reshard", need_state=True)
         lay = check_layout(layout or self.layout)
+        check_transport(transport)
         reuse = self._reuse_plan(world_size, lay, None)
         added = [j for j, i in enumerate(reuse) if i is None]
         more = len(added) - len(self._spares)
@@ -258,9 +280,14 @@ class ShardGroup:
                                           world_size=world_size)
         specs, keys = self._specs
         self._prepared = []  # the reshard waits for these, so that each receive finds its pieces
+        new_actors = []
         for j, i in enumerate(reuse):
             actor = self._members[i].handle if i is not None else self._spares[added.index(j)].handle
+            new_actors.append(actor)
             self._prepared.append(actor.prepare_receive.remote(self.name, j, world_size, specs, keys, lay))
+        if transport == "rdt":  # the spares' devices are not known yet: the backend follows this group's
+            backend = rdt.backend_for(self.devices, f"ShardGroup '{self.name}' prepare_reshard({world_size})")
+            self._rdt_pending = rdt.prepare(participants(self, new_actors), backend, self.timeout_s)
         return self
 
     def _reuse_plan(self, world_size: int, layout: str, num_gpus_per_actor: float | None) -> list[int | None]:
@@ -274,28 +301,6 @@ class ShardGroup:
             return [None] * world_size
         specs, _ = self._specs
         return reuse_ranks(specs, self.layout, self.world_size, layout, world_size)
-
-    def _transfer_to(self, new: "ShardGroup", reuse: list[int | None], specs: dict, keys: list) -> None:
-        """One transfer: this group's ranks first (sending, and receiving where reused), then the added actors."""
-        n = self.world_size
-        new_rank_of = {i: j for j, i in enumerate(reuse) if i is not None}
-        added = [j for j, i in enumerate(reuse) if i is None]
-        spec = self._spec(n + len(added))
-        refs, groups = {}, {}
-        for i, a in enumerate(self.actors):
-            if i in new_rank_of:
-                refs[i] = a.receive.remote(new.name, spec(i), new_rank_of[i], new.world_size, specs, keys, new.layout,
-                                           self.name, self.name)
-                groups[i] = [self, new]
-            else:
-                refs[i] = a.send.remote(self.name, spec(i))
-        for k, j in enumerate(added):
-            refs[n + k] = new.actors[j].receive.remote(new.name, spec(n + k), j, new.world_size, specs, keys,
-                                                       new.layout, None, self.name)
-            groups[n + k] = [new]
-        where = f"ranks 0-{n - 1}: this group" + (
-            f", {n}-{n + len(added) - 1}: actors added for new ranks {added}" if added else "")
-        self._gather(f"reshard({new.world_size})", refs, groups, note=where)
 
     def full_state_dict(self) -> dict:
         """Every tensor whole, on the driver's CPU, keyed by flat FQN; plain values included."""

@@ -132,7 +132,7 @@ def test_actor_killed_mid_reshard_breaks_both_groups_it_serves(ray_session, src,
         added = [m.handle for m in g._spares]
         ray_session.get([a.info.remote() for a in added])  # the added actor is up
         victim = g.actors[1]  # kept by the 3-rank group too: it sends its pieces and receives new ones
-        killed_while(ray_session, victim, "transfer: plan", lambda: g.reshard(3))
+        killed_while(ray_session, victim, "reshard: publish", lambda: g.reshard(3))
         with pytest.raises(CheckpointError, match=r"died during reshard\(3\).*load the last checkpoint"):
             g.full_state_dict()
         assert ray_session.get(g.apply_remote(0, check_pieces, full, "dim0", 0, 2)) == []  # rank 0 kept its state
