@@ -3,10 +3,14 @@
 raydcp's storage layer (fsspec only) uses it like any other backend; this module maps the
 primitives it calls onto the holders of :mod:`raydcp.runtime.memstore.holder`:
 
+- ``writer_site`` / ``reserve_save`` / ``release_save`` (:mod:`raydcp.storage.capacity`): at a
+  save's plan step the room for all of its files is reserved on every node they will reach, and a
+  save that does not fit fails every rank before any byte moves (:mod:`.capacity`);
 - ``open(path, "wb")`` / ``pipe_file``: the bytes go, when the file is closed, to the holder of
   the writer's node and to ``replicas`` holders of other nodes (ring order), and the call returns
-  only once every copy is held; a copy that does not fit under a node's byte cap is refused
-  before any byte moves. A write that fails half-way leaves no partial file.
+  only once every copy is held; a copy takes its bytes from its save's reservation, and one
+  beyond it that does not fit under a node's byte cap is refused before any byte moves. A write
+  that fails half-way leaves no partial file.
 - ``pipe_file(".../raydcp.meta")`` is the commit: it first checks that every file the metadata
   names still has all its copies (a node lost after the data writes fails the commit, nothing is
   published), then publishes the metadata on every alive node (one atomic replace per holder),
@@ -36,12 +40,11 @@ from fsspec.spec import AbstractFileSystem
 
 from ...errors import CheckpointError
 from ...storage import METADATA_NAME
-from . import placement
+from . import capacity, placement
+from .capacity import NODE_CAP_ENV, cap_error
 from .writer import MemWriter
 
 __all__ = ["RayMemFileSystem", "NODE_CAP_ENV"]
-
-NODE_CAP_ENV = "RAYDCP_MEMSTORE_NODE_CAP_BYTES"
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool, minimum: int = 0) -> int | None:
@@ -143,17 +146,14 @@ class RayMemFileSystem(AbstractFileSystem):
         holders = [placement.holder(n) for n in targets]
         token = uuid.uuid4().hex
         size = int(data.nbytes)
+        # the cap is for data files: the commit log and status records (a few KB) are not refused
+        cap = self.node_cap_bytes if "/data/" in f"/{path}" else None
         try:
-            refused = self._gather(targets, [h.reserve.remote(token, size, self.node_cap_bytes) for h in holders],
+            refused = self._gather(targets, [h.reserve.remote(token, size, cap, path) for h in holders],
                                    f"reserve memory for {url}")
             refused = [r for r in refused if r is not None]
             if refused:
-                r = refused[0]
-                raise CheckpointError(
-                    f"{url}: no room for {size} bytes on node {r['node']}: its holder has {r['used']} of its "
-                    f"{r['cap']}-byte cap in use (node_cap_bytes); nothing of this file was written. Raise "
-                    f"storage_options['node_cap_bytes'] (or {NODE_CAP_ENV}), lower keep_last or replicas, or "
-                    "save fewer bytes per node")
+                raise cap_error(url, refused[0], what=f"this file of {size} bytes")
             obj = ray.put(data)
             self._gather(targets, [h.store.remote(path, [obj], size, created_ns, tuple(targets), token)
                                    for h in holders], f"hold {url}")
@@ -181,6 +181,18 @@ class RayMemFileSystem(AbstractFileSystem):
             raise CheckpointError(f"could not {what}: a holder among nodes {nodes} was lost "
                                   f"({type(exc).__name__}); the node may have left the cluster; nothing was "
                                   "committed, save again") from None
+
+    # the optional capacity protocol of raydcp.storage.capacity (raydcp.runtime.memstore.capacity)
+    def writer_site(self) -> tuple[str, int | None]:
+        """This process's node and the byte cap it sees: where its writes land (first copy)."""
+        placement.ensure_ray("raymem://")
+        return placement.local_node(), self.node_cap_bytes
+
+    def reserve_save(self, path: str, save_id: str, bytes_by_site: dict) -> None:
+        capacity.reserve(self, self._strip_protocol(path), save_id, bytes_by_site)
+
+    def release_save(self, path: str, save_id: str) -> None:
+        capacity.release(self, self._strip_protocol(path), save_id)
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)

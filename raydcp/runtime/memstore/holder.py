@@ -8,8 +8,12 @@ numpy ``uint8`` arrays, so a reader on the same node gets them zero-copy.
 Protocol of a write (the caller is :class:`raydcp.runtime.memstore.filesystem.RayMemFileSystem`
 in the writing process):
 
-1. :meth:`MemHolder.reserve` on every holder that is to hold a copy: a copy that would push a
-   holder past the node's byte cap is refused *before* any byte moves;
+0. (at the save's plan step, once per save) :meth:`MemHolder.reserve_save` on every holder that
+   the save's files will reach: the room for all of them, refused as a whole if it does not fit
+   (:mod:`raydcp.runtime.memstore.capacity`);
+1. :meth:`MemHolder.reserve` on every holder that is to hold a copy: the copy's bytes come out of
+   its save's reservation, and a copy beyond it that would push a holder past the node's byte
+   cap is refused *before* any byte moves;
 2. the writer puts the bytes once into its own node's object store and calls :meth:`store` on
    each holder with that object: the local holder copies it within the node, a replica holder
    pulls it over the network and puts its own copy (so each replica lives on its own node);
@@ -52,26 +56,66 @@ class MemHolder:
     def __init__(self, node_id: str):
         self.node_id = node_id
         self._files: dict[str, FileEntry] = {}
-        self._reserved: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}  # per file being written (a token): its bytes
+        self._saves: dict[str, list[int]] = {}  # per save ("<dir>/data/<save id>"): [bytes left, reserved at]
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- accounting
 
     def _used(self) -> int:
-        return sum(e.size for e in self._files.values()) + sum(self._reserved.values())
+        return (sum(e.size for e in self._files.values()) + sum(self._reserved.values())
+                + sum(left for left, _ in self._saves.values()))
 
     def usage(self) -> dict:
         with self._lock:
             return {"node": self.node_id, "held": sum(e.size for e in self._files.values()),
-                    "reserved": sum(self._reserved.values()), "files": len(self._files)}
+                    "reserved": sum(self._reserved.values()) + sum(left for left, _ in self._saves.values()),
+                    "files": len(self._files)}
 
-    def reserve(self, token: str, nbytes: int, cap: int | None) -> dict | None:
-        """Reserve ``nbytes`` for a copy about to be stored; None when granted, else a dict that
-        says what this node holds against ``cap``."""
+    def _refusal(self, nbytes: int, cap: int) -> dict:
+        held = sum(e.size for e in self._files.values())
+        return {"node": self.node_id, "used": self._used(), "held": held, "cap": cap, "need": nbytes}
+
+    def _save_of(self, path: str | None) -> str | None:
+        """The reserved save whose files ``path`` is one of."""
+        if path is None:
+            return None
+        return next((k for k in self._saves if path.startswith(k + "/")), None)
+
+    def reserve_save(self, key: str, nbytes: int, cap: int | None, created_ns: int) -> dict | None:
+        """Reserve ``nbytes`` for the files of a whole save (``key``: its ``<dir>/data/<save id>``),
+        atomically against ``cap``: None when granted, else what this node holds against the cap."""
         with self._lock:
-            used = self._used()
-            if cap is not None and used + nbytes > cap:
-                return {"node": self.node_id, "used": used, "cap": cap, "need": nbytes}
+            if cap is not None and self._used() + nbytes > cap:
+                return self._refusal(nbytes, cap)
+            left = self._saves.get(key, [0, created_ns])[0]
+            self._saves[key] = [left + nbytes, created_ns]
+            return None
+
+    def reservations(self, prefix: str) -> dict[str, tuple[int, int]]:
+        """``{save key: (bytes left, reserved at)}`` of the saves reserved under ``prefix``."""
+        with self._lock:
+            return {k: (v[0], v[1]) for k, v in self._saves.items() if k.startswith(prefix)}
+
+    def release_saves(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._saves.pop(key, None)
+
+    def reserve(self, token: str, nbytes: int, cap: int | None, path: str | None = None) -> dict | None:
+        """Reserve ``nbytes`` for a copy of ``path`` about to be stored; None when granted, else a
+        dict that says what this node holds against ``cap``. A file of a save that reserved room
+        (:meth:`reserve_save`) takes its bytes from that reservation; only what exceeds it is
+        checked against the cap."""
+        with self._lock:
+            key = self._save_of(path)
+            take = min(self._saves[key][0], nbytes) if key is not None else 0
+            if key is not None:
+                self._saves[key][0] -= take
+            if take < nbytes and cap is not None and self._used() + nbytes > cap:
+                if key is not None:
+                    self._saves[key][0] += take
+                return self._refusal(nbytes, cap)
             self._reserved[token] = self._reserved.get(token, 0) + nbytes
             return None
 
