@@ -105,19 +105,32 @@ class RayMemFileSystem(AbstractFileSystem):
     def _connect(self, path: str) -> None:
         placement.ensure_ray(self._url(path))
 
+    def _holders(self, nodes: list[str]) -> dict[str, Any]:
+        """The holders to ask about files on ``nodes``: those that run (a memory tier's copies die
+        with their holder, so a node without one holds nothing)."""
+        return placement.existing_holders(nodes, self._kind)
+
     def _call_all(self, method: str, *args) -> dict[str, Any]:
         """Call ``method`` on the holder of every alive node that runs one; ``{node: result}``
-        of those that answered (a holder lost with its node is skipped)."""
-        holders = placement.existing_holders(placement.alive_nodes(), self._kind)
+        of those that answered (a holder lost with its node is skipped; where a holder outlives
+        nothing it held, :meth:`_holders` of a disk tier, a dead one is replaced and asked again)."""
+        holders = self._holders(placement.alive_nodes())
         refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
         out = {}
         for node, ref in refs.items():
-            try:
-                out[node] = ray.get(ref, timeout=self.timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                placement.forget(node, self._kind)
-            except ray.exceptions.GetTimeoutError:
-                continue
+            for attempt in range(2):
+                try:
+                    out[node] = ray.get(ref, timeout=self.timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    placement.forget(node, self._kind)
+                    again = self._holders([node]).get(node) if attempt == 0 else None
+                    if again is None:
+                        break
+                    ref = getattr(again, method).remote(*args)
+                    continue
+                except ray.exceptions.GetTimeoutError:
+                    pass
+                break
         return out
 
     def _entries(self, prefix: str) -> dict[str, tuple[int, int, tuple, set]]:
@@ -168,7 +181,10 @@ class RayMemFileSystem(AbstractFileSystem):
             raise
         return targets
 
-    def _gather(self, nodes: list[str], refs: list, what: str) -> list:
+    def _gather(self, nodes: list[str], refs: list, what: str, again=None) -> list:
+        """The results of ``refs`` (calls on the holders of ``nodes``). ``again()``, where given,
+        makes the calls anew: used once where a holder died on a node that is still alive (a disk
+        tier's holder: its files outlive it, and its successor finds them again)."""
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -178,6 +194,8 @@ class RayMemFileSystem(AbstractFileSystem):
                 ray.exceptions.ObjectLostError) as exc:
             for n in nodes:
                 placement.forget(n, self._kind)
+            if again is not None and set(nodes) <= set(placement.alive_nodes()):
+                return self._gather(nodes, again(), what)
             raise CheckpointError(f"could not {what}: a holder among nodes {nodes} was lost "
                                   f"({type(exc).__name__}); the node may have left the cluster; nothing was "
                                   "committed, save again") from None
