@@ -31,8 +31,8 @@ from ...storage import METADATA_NAME
 from ...storage.commits import save_generation
 from . import placement
 
-__all__ = ["NodeCapacityError", "NODE_CAP_ENV", "save_key", "reserve", "release", "release_after_commit",
-           "cap_error"]
+__all__ = ["NodeCapacityError", "NODE_CAP_ENV", "save_key", "node_shares", "reserve", "release",
+           "release_after_commit", "cap_error"]
 
 NODE_CAP_ENV = "RAYDCP_MEMSTORE_NODE_CAP_BYTES"
 
@@ -76,15 +76,7 @@ def reserve(fs, path: str, save_id: str, bytes_by_site: dict) -> None:
     replicas = fs._replicas(alive)
     caps = [site[1] for site in bytes_by_site if isinstance(site, tuple) and site[1] is not None]
     cap = min(caps) if caps else fs.node_cap_bytes
-    share: dict[str, int] = {}
-    own: dict[str, int] = {}
-    for site, nbytes in bytes_by_site.items():
-        if not isinstance(site, tuple):
-            continue  # a rank that did not say where it writes: its files are checked one by one
-        node = site[0]
-        own[node] = own.get(node, 0) + nbytes
-        for target in placement.ring_targets(node, alive, replicas, url):  # refuses too many replicas
-            share[target] = share.get(target, 0) + nbytes
+    share, own = node_shares(bytes_by_site, alive, replicas, url)
     if cap is None or not share:
         return  # no cap: nothing to refuse
     key = save_key(path, save_id)
@@ -108,6 +100,22 @@ def reserve(fs, path: str, save_id: str, bytes_by_site: dict) -> None:
     if others:
         detail += f"; nodes {others} cannot take their share either"
     raise cap_error(url, r, what="this save", detail=detail)
+
+
+def node_shares(bytes_by_site: dict, alive: list[str], replicas: int, url: str) -> tuple[dict, dict]:
+    """``(share, own)``: per node, the bytes it will hold (its own ranks' files and the replicas
+    the ring places on it) and those of its own ranks. Sites are ``(node, cap)``; a rank that did
+    not say where it writes is left out (its files are checked one by one as they are written)."""
+    share: dict[str, int] = {}
+    own: dict[str, int] = {}
+    for site, nbytes in bytes_by_site.items():
+        if not isinstance(site, tuple):
+            continue
+        node = site[0]
+        own[node] = own.get(node, 0) + nbytes
+        for target in placement.ring_targets(node, alive, replicas, url):  # refuses too many replicas
+            share[target] = share.get(target, 0) + nbytes
+    return share, own
 
 
 def _held_under(fs, prefix: str, node: str) -> int:
