@@ -219,20 +219,36 @@ def start_ray(nodes: int, cpus: int, object_store_mib: int):
 
 
 def overhead_rows(results: list[dict], every: int) -> list[list]:
-    """Per run against the run without checkpoints (``none``) of the same worker count: the cost
-    of checkpointing as a share of training time. ``within`` is measured inside the run itself
-    (no drift between runs): the median stall plus the extra time of the two steps after each
-    checkpoint, per ``every`` steps, over ``every`` median steps. ``vs none`` compares the
-    training function's time with the run without checkpoints."""
+    """The cost of checkpointing as a share of training time, per run, measured inside the run
+    itself (no drift between runs on a shared machine): the median stall per ``every`` median
+    steps; the slowdown of the two steps after each checkpoint (an asynchronous save's copies are
+    made then) against the other steps; their sum. Beside it, the training function's time
+    against the run without checkpoints (``none``) of the same worker count, which moves with
+    whatever else the machine runs between the two runs."""
     rows = []
     for r in results:
-        base = next((x for x in results if x["workers"] == r["workers"] and x["lib"] == "none"), None)
-        if base is None or r["lib"] == "none":
+        if r["lib"] == "none":
             continue
-        extra = 2 * (r["step_during_persist_s"] - r["step_s"])
-        within = 100 * (r["stall_s"] + extra) / (every * r["step_s"])
-        rows.append([r["workers"], r["lib"], base["step_s"], r["step_s"], r["step_during_persist_s"], r["stall_s"],
-                     within, 100 * (r["train_s"] - base["train_s"]) / base["train_s"]])
+        base = next((x for x in results if x["workers"] == r["workers"] and x["lib"] == "none"), None)
+        stall = 100 * r["stall_s"] / (every * r["step_s"])
+        during = 100 * (r["step_during_persist_s"] - r["step_s"]) / r["step_s"]
+        rows.append([r["workers"], r["lib"], r["step_s"], r["step_during_persist_s"], r["stall_s"], stall, during,
+                     stall + during * 2 / every,
+                     100 * (r["train_s"] - base["train_s"]) / base["train_s"] if base else None])
+    return rows
+
+
+def replication_rows(results: list[dict], every: int) -> list[list]:
+    """What the replicas add to a memory checkpoint: the stall with replicas less the stall
+    without, per ``every`` steps, as a share of the step time (both medians of their runs)."""
+    rows = []
+    for r in results:
+        if r["lib"] != "raydcp memory":
+            continue
+        r0 = next((x for x in results if x["workers"] == r["workers"] and x["lib"] == "raydcp memory r0"), None)
+        if r0 is not None:
+            extra = r["stall_s"] - r0["stall_s"]
+            rows.append([r["workers"], r["stall_s"], r0["stall_s"], extra, 100 * extra / (every * r["step_s"])])
     return rows
 
 
@@ -321,14 +337,19 @@ def main() -> None:
                                    by[peer]["train_s"] / by[ours]["train_s"]])
     if ratio_rows:
         print(table(["workers", "stall ratio", "x (stall)", "x (train fn time)"], ratio_rows))
-    cost = overhead_rows(results, args.every)
+    cost = [] if set(args.libs) <= set(LIBS) else overhead_rows(results, args.every)
     if cost:
         print(f"\ncost of checkpointing, % of training time (a checkpoint every {args.every} steps):")
-        print(table(["workers", "checkpointer", "step s (none)", "step s", "step s during persist", "stall s",
-                     "overhead % (within run)", "overhead % (train fn vs none)"], cost))
+        print(table(["workers", "checkpointer", "step s", "step s during persist", "stall s", "stall %",
+                     "steps during persist %", "total %", "train fn vs none %"], cost))
+    replication = replication_rows(results, args.every)
+    if replication:
+        print(f"\nwhat the replicas add to a memory checkpoint (a checkpoint every {args.every} steps):")
+        print(table(["workers", "stall s, replicas", "stall s, none", "replicas' stall s", "% of step time"],
+                    replication))
     path = save_json("train_stall", {"args": vars(args), "argv": argv_line(), "machine": machine(),
                                      "revision": revision(), "results": results, "ratios": ratio_rows,
-                                     "overhead": cost})
+                                     "overhead": cost, "replication": replication})
     print(f"\nresults: {path}")
 
 
