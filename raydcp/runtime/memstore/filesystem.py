@@ -16,8 +16,9 @@ primitives it calls onto the holders of :mod:`raydcp.runtime.memstore.holder`:
   published), then publishes the metadata on every alive node (one atomic replace per holder),
   then releases the checkpoints of the same NAME beyond ``keep_last`` (never before).
 - ``cat_ranges`` / ``cat_file``: each file is read from the reader's own node's holder (zero-copy
-  from the object store) where it has one, else from a live replica on another node; a file with
-  no live copy is a FileNotFoundError naming it.
+  from the object store) where it has one, else from a live replica on another node: a data file
+  is pulled whole into this node's object store once (then read like a local copy), other files
+  by range; a file with no live copy is a FileNotFoundError naming it.
 - ``info`` / ``ls`` / ``find`` / ``rm``: over the union of the alive nodes' holders.
 
 Options (``storage_options``): ``replicas`` (copies on other nodes; default 1 when more than one
@@ -46,6 +47,8 @@ from .writer import MemWriter
 
 __all__ = ["RayMemFileSystem", "NODE_CAP_ENV"]
 
+_PULL_MAX = 1 << 30  # a data file held elsewhere up to this size is pulled whole (_pull), larger ones by range
+
 
 def _positive_int(name: str, value: Any, *, allow_none: bool, minimum: int = 0) -> int | None:
     if value is None and allow_none:
@@ -66,6 +69,7 @@ class RayMemFileSystem(AbstractFileSystem):
     # One instance per CheckpointStorage (no fsspec instance cache): the views of data files an
     # instance keeps for its reads (below) are released with it, or by close_reads().
     cachable = False
+    _pulls = True  # a data file held on another node is pulled whole (see _pull)
 
     def __init__(self, replicas: int | None = None, keep_last: int = 1, node_cap_bytes: int | None = None,
                  timeout_s: float = 300.0, **kwargs):
@@ -363,8 +367,13 @@ class RayMemFileSystem(AbstractFileSystem):
                 bounds = [self._bounds(starts[i], ends[i], size) for i in idxs]
                 holder = placement.existing_holders([node], self._kind).get(node)
                 try:
-                    got = ray.get(holder.read_ranges.remote(path, [b[0] for b in bounds], [b[1] for b in bounds]),
-                                  timeout=self.timeout_s)
+                    whole = self._pull(holder, path) if self._pulls and "/data/" in path and size <= _PULL_MAX \
+                        else None
+                    if whole is not None:
+                        got = [whole[s:e] for s, e in bounds]
+                    else:
+                        got = ray.get(holder.read_ranges.remote(path, [b[0] for b in bounds], [b[1] for b in bounds]),
+                                      timeout=self.timeout_s)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                         ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError, AttributeError) as exc:
                     placement.forget(node, self._kind)
@@ -383,6 +392,22 @@ class RayMemFileSystem(AbstractFileSystem):
                     why += f" (the holders that had one did not answer: {type(error).__name__})"
                 for i in idxs:
                     out[i] = FileNotFoundError(why)
+
+    def _pull(self, holder, path: str) -> np.ndarray | None:
+        """The whole of data file ``path`` from ``holder``'s node, pulled into this node's object
+        store by Ray's object transfer (one per node: every reader process here shares the copy)
+        and kept like a local copy for the next ranges; None where the holder has no such object.
+
+        Why the whole file: a load reads a file in many ranges, often one per piece, and a call to
+        a holder on another node per range costs far more than the transfer of the bytes; files
+        are at most ``max_file_bytes`` (256 MiB by default) unless one piece is larger."""
+        boxed = ray.get(holder.lookup.remote([path]), timeout=self.timeout_s).get(path)
+        if not boxed:
+            return None
+        arr = ray.get(boxed[0], timeout=self.timeout_s)
+        with self._views_lock:
+            self._views[path] = arr
+        return arr
 
     def _lost(self, path: str) -> str | None:
         """Why a file that a committed checkpoint names has no copy left, if one does name it."""

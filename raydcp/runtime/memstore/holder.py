@@ -19,8 +19,10 @@ in the writing process):
    pulls it over the network and puts its own copy (so each replica lives on its own node);
 3. :meth:`release` frees a reservation that was not used (a write that failed elsewhere).
 
-Reads: :meth:`lookup` hands out the (borrowed) object of a file, for zero-copy reads on the node;
-:meth:`read_ranges` serves byte ranges to readers on other nodes.
+Reads: :meth:`lookup` hands out the (borrowed) object of a file, for zero-copy reads on the node
+(and for a reader on another node to pull a data file whole into its own node's object store);
+:meth:`read_ranges` serves byte ranges to readers on other nodes (of other files, and of a
+node-local disk tier's files).
 
 A node-local disk tier's holder (``kind="disk"``, :mod:`raydcp.runtime.memstore.nodelocal`) keeps
 no bytes, only its index of the files written on its node's disk, and that index is in memory. So
