@@ -20,6 +20,14 @@ saved values; medians of --repeats; ratios are other time / raymem time.
     python bench/memory_restore.py --mib 64 --repeats 1     # quick
     python bench/memory_restore.py --cold                   # disk loads from a cold page cache
     python bench/memory_restore.py --s3                     # also from S3 (moto_server, in its own process)
+    python bench/memory_restore.py --nodes --mib 64         # across nodes, after a node loss (below)
+
+With --nodes: a ``ray.cluster_utils.Cluster`` of 3 nodes on this machine (each its own raylet and
+object store). The 4 savers run on nodes n1 and n2 (2 each) and save with ``replicas=1``; the
+loaders (4 or 6) run on the head node and n1. Timed: the memory load with every node alive, then
+n2 is removed (with it its savers and the copies it held) and, each repeat, the memory load from
+what is left -- n2's files from their replicas, read across nodes by the loaders that do not hold
+them -- against the disk and torch DCP loads of the same data.
 """
 from __future__ import annotations
 
@@ -80,6 +88,102 @@ class RaydcpRanks:
             self.ray.kill(a)
 
 
+class NodeRanks(RaydcpRanks):
+    """On a cluster: 4 saver actors on ``saver_tags``'s nodes (in blocks), 6 loader actors on
+    ``loader_tags``'s nodes (alternating), in groups of their own."""
+
+    def __init__(self, specs: dict, saver_tags: list[str], loader_tags: list[str]):
+        import ray
+
+        self.ray = ray
+        actor = ray.remote(num_cpus=0, max_restarts=0)(Rank)
+        self.savers = [actor.options(resources={saver_tags[r * len(saver_tags) // SAVERS]: 1})
+                       .remote(r, (SAVERS, MORE), specs) for r in range(SAVERS)]
+        self.ranks = [actor.options(resources={loader_tags[r % len(loader_tags)]: 1}).remote(r, (SAVERS, MORE), specs)
+                      for r in range(MORE)]
+        ray.get([a.use_groups.remote("bench-loaders") for a in self.ranks])
+
+    def save(self, kind: str, path: str) -> float:
+        self.ray.get([a.prepare.remote(kind, SAVERS, "save") for a in self.savers])
+        t0 = time.perf_counter()
+        self.ray.get([a.save.remote(kind, SAVERS, path) for a in self.savers])
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for a in self.savers + self.ranks:
+            self.ray.kill(a)
+
+
+def run_nodes(args, specs: dict, root: str, env: dict, loads: LoadRange) -> tuple[dict, dict, list[str]]:
+    """The --nodes run (module doc); returns (times, untimed save seconds, the libraries timed)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    size = nbytes(specs["large"])
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + os.environ.get("PYTHONPATH", "")
+    node = dict(num_cpus=4, object_store_memory=max(512 * MIB, 3 * size))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(include_dashboard=False, resources={"n0": 100}, **node))
+    workers = {tag: cluster.add_node(resources={tag: 100}, **node) for tag in ("n1", "n2")}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR", runtime_env={"env_vars": env})
+    disk, dcp_dir = os.path.join(root, "raydcp"), os.path.join(root, "dcp")
+    times: dict[str, list[float]] = {}
+    pool = ranks = None
+    try:
+        log("starting torch DCP's gloo processes and raydcp's actors on 3 nodes")
+        pool = DcpPool(specs, (SAVERS, MORE))
+        ranks = NodeRanks(specs, ["n1", "n2"], ["n0", "n1"])
+        mem_url = "raymem://bench-restore-nodes/ckpt"
+        log("warming up and saving (untimed)")
+        warm = "raymem://bench-warm-nodes/ckpt"
+        ranks.save("warm", warm)
+        ranks.load("warm", SAVERS, warm)
+        ranks.load("warm", MORE, warm)
+        pool.run("save", "warm", os.path.join(root, "dcp-warm"), SAVERS)
+        pool.run("load", "warm", os.path.join(root, "dcp-warm"), MORE)
+        saves = {"raymem": ranks.save("large", mem_url), "disk": ranks.save("large", disk),
+                 "torch DCP": pool.run("save", "large", dcp_dir, SAVERS)[0]}
+        log("  saves (untimed for the goals): " + ", ".join(f"{k} {v:.2f} s" for k, v in saves.items()))
+        for rep in range(args.repeats):
+            for w in (SAVERS, MORE):
+                times.setdefault(f"raymem all nodes 4->{w}", []).append(ranks.load("large", w, mem_url))
+        log("removing node n2 (2 savers, their files' first copies and the replicas it held)")
+        cluster.remove_node(workers.pop("n2"))
+
+        def run(lib: str, w: int) -> float:
+            if lib == "raymem replicas":
+                return ranks.load("large", w, mem_url)
+            if lib == "disk":
+                if args.cold:
+                    fsync_tree(disk, evict=True)
+                return ranks.load("large", w, disk)
+            if args.cold:
+                fsync_tree(dcp_dir, evict=True)
+            t, bad = pool.run("load", "large", dcp_dir, w)
+            if bad:
+                raise AssertionError(f"torch DCP: {bad} tensors differ after the load onto {w} ranks")
+            return t
+
+        libs = ["raymem replicas", "disk", "torch DCP"]
+        for rep in range(args.repeats):
+            order = libs[rep % len(libs):] + libs[:rep % len(libs)]
+            got = {}
+            for lib in order:
+                for w in (SAVERS, MORE):
+                    got[f"{lib} 4->{w}"] = t = run(lib, w)
+                    times.setdefault(f"{lib} 4->{w}", []).append(t)
+            log(f"  repeat {rep + 1}/{args.repeats}: " + "  ".join(f"{k} {v:.3f}" for k, v in got.items())
+                + f"  (s, verified); load average {loads.sample()}")
+    finally:
+        if ranks is not None:
+            ranks.close()
+        if pool is not None:
+            pool.close()
+        ray.shutdown()
+        cluster.shutdown()
+    return times, saves, ["raymem all nodes", "raymem replicas", "disk", "torch DCP"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="directory for the disk checkpoints (default: a temp dir in /tmp)")
@@ -87,7 +191,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="evict the disk checkpoints from the page cache before each load")
     ap.add_argument("--s3", action="store_true", help="also restore from S3 (moto_server on loopback)")
+    ap.add_argument("--nodes", action="store_true",
+                    help="3 nodes (ray.cluster_utils.Cluster): restore from replicas after a node loss")
     args = ap.parse_args()
+    if args.nodes and args.s3:
+        ap.error("--nodes and --s3 are separate runs")
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     warnings.filterwarnings("ignore")
@@ -112,6 +220,13 @@ def main() -> None:
         env.update(FSSPEC_S3_ENDPOINT_URL=opts["client_kwargs"]["endpoint_url"], AWS_ACCESS_KEY_ID=KEYS["key"],
                    AWS_SECRET_ACCESS_KEY=KEYS["secret"], AWS_DEFAULT_REGION="us-east-1")
     s3_url = f"s3://{BUCKET}/restore" if args.s3 else None
+    if args.nodes:
+        try:
+            times, saves, libs = run_nodes(args, specs, root, env, loads)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        report(args, info, loads, specs, times, saves, libs, "raymem replicas", None)
+        return
     ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
              logging_level="ERROR", object_store_memory=max(1 << 30, 3 * size), runtime_env={"env_vars": env})
     times: dict[str, list[float]] = {}
@@ -169,15 +284,23 @@ def main() -> None:
             moto.terminate()
         shutil.rmtree(root, ignore_errors=True)
 
+    report(args, info, loads, specs, times, saves, libs, "raymem", s3_url)
+
+
+def report(args, info: dict, loads: LoadRange, specs: dict, times: dict, saves: dict, libs: list[str], base: str,
+           s3_url: str | None) -> None:
+    """Print the table (medians, ratios to ``base``), the goals, and save the results' JSON."""
+    size = nbytes(specs["large"])
     med = {k: median(v) for k, v in times.items()}
     rows = []
     for w in (SAVERS, MORE):
-        mem = med[f"raymem 4->{w}"]
+        mem = med[f"{base} 4->{w}"]
         for lib in libs:
             t = med[f"{lib} 4->{w}"]
             rows.append([f"4->{w} {lib}", t, size / t / 1e9, t / mem])
-    text = table(["restore", "median s", "GB/s", "time / raymem time"], rows)
-    goal = {f"4->{w} DCP / raymem >= 2": med[f"torch DCP 4->{w}"] / med[f"raymem 4->{w}"] >= 2 for w in (SAVERS, MORE)}
+    text = table(["restore", "median s", "GB/s", f"time / {base} time"], rows)
+    goal = {f"4->{w} DCP / {base} >= 2": med[f"torch DCP 4->{w}"] / med[f"{base} 4->{w}"] >= 2
+            for w in (SAVERS, MORE)}
     if s3_url:
         goal.update({f"4->{w} s3 / raymem >= 10": med[f"s3 4->{w}"] / med[f"raymem 4->{w}"] >= 10
                      for w in (SAVERS, MORE)})
@@ -185,7 +308,9 @@ def main() -> None:
     print(f"\n## memory_restore  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM; 1-minute load "
           f"average during the run {loads})\n")
     print(f"command: {argv_line()}\n")
-    print(f"{size / MIB:.0f} MiB in {len(specs['large'])} float32 tensors saved by 4 ranks (dim-0 pieces); "
+    where = ("3 Ray nodes, saved by 4 ranks on 2 of them with 1 replica, restored after one of those was removed"
+             if args.nodes else "one Ray node")
+    print(f"{size / MIB:.0f} MiB in {len(specs['large'])} float32 tensors saved by 4 ranks (dim-0 pieces); {where}; "
           f"disk page cache {'cold' if args.cold else 'warm'}; medians of {args.repeats}; every load verified.\n")
     print(text)
     print("\ngoals: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in goal.items()))

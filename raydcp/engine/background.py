@@ -22,6 +22,8 @@ from ..metadata import Metadata
 from ..options import AsyncOptions
 from ..planner import LocalSavePlan
 from ..state import flatten_state
+from ..storage import CheckpointStorage
+from ..storage.capacity import reserves_capacity
 from .save import StagedState, local_save_plan
 
 __all__ = ["SaveFuture", "AsyncPersister", "start_async_save", "failed_save", "wait_for_last_save"]
@@ -38,7 +40,8 @@ class AsyncPersister(Protocol):
     1. ``begin(plan, checkpoint_id, storage_options, options)``: hand over the rank's local plan
        (or its :class:`~raydcp.errors.RankFailure`); the persister runs the plan step. The
        future gives the plan items of each batch of this rank's files (one batch without
-       ``options.max_staging_bytes``; the caller then does not wait for it).
+       ``options.max_staging_bytes``; the caller then does not wait for it, unless the
+       destination reserves room at the plan step, :mod:`raydcp.storage.capacity`).
     2. ``write(index, staged, items)``, once per batch, in order: stage the pieces ``items`` now
        (the only part the caller waits for; later in-place updates do not leak in) and have the
        persister write that batch. The future says whether this rank's writes succeeded so far;
@@ -131,7 +134,10 @@ def _run(persister: AsyncPersister, state_dict: dict, checkpoint_id: str, storag
     if staged is None:
         return SaveFuture(begun)
     try:
-        batches = [list(range(len(staged.plan.items)))] if options.max_staging_bytes is None else begun.result()
+        if options.max_staging_bytes is None and not _reserves_room(checkpoint_id, storage_options):
+            batches = [list(range(len(staged.plan.items)))]
+        else:  # staged in batches, or a destination that may refuse the save at its plan: plan first
+            batches = begun.result()
     except (CheckpointError, TimeoutError) as exc:
         return failed_save(exc)
     error = None
@@ -143,3 +149,12 @@ def _run(persister: AsyncPersister, state_dict: dict, checkpoint_id: str, storag
     except Exception as exc:
         error = RankFailure.from_exception(rank, exc)  # its type and origin travel to every rank
     return SaveFuture(persister.commit(error))
+
+
+def _reserves_room(checkpoint_id: str, storage_options) -> bool:
+    """Whether the destination reserves room for a save at its plan step (``raymem://``): the
+    caller then waits for the plan before it stages, so a save that does not fit stages nothing."""
+    try:
+        return reserves_capacity(CheckpointStorage(checkpoint_id, storage_options))
+    except Exception:
+        return False  # a bad path or option: the persister's plan step reports it

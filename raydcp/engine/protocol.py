@@ -7,7 +7,9 @@ steps, in this order, over a :class:`~raydcp.transport.Transport`:
 1. **plan** -- every rank calls :func:`plan_round` with its local plan (metadata only);
    the coordinator runs :func:`reduce_plan` (``plan_save``: validation, replicas written
    once, bytes balanced) and hands each rank its :class:`~raydcp.planner.RankWritePlan`,
-   and rank 0 the :class:`SaveHeader` of the checkpoint.
+   and rank 0 the :class:`SaveHeader` of the checkpoint. Where the backend's room is per
+   place (``raymem://``), the coordinator then reserves the room for every rank's files
+   (:mod:`raydcp.storage.capacity`): a save that does not fit fails here, on every rank.
 2. **write** -- each rank writes its files (``raydcp.engine.save.write_rank_files``, in
    one or several batches of whole files) and keeps one columnar :class:`StorageRecord`
    per batch: file, byte range and checksums of every piece it wrote.
@@ -39,8 +41,9 @@ from ..planner import LocalSavePlan, PackedNames, RankWritePlan, SavePlanOptions
 from ..planner.arrays import _order
 from ..planner.types import _digest
 from ..storage import CheckpointStorage
+from ..storage import capacity
 from ..storage._common import is_transient
-from ..storage.commits import begin_save, commit_generation, current_generation, prune, remove_save_files
+from ..storage.commits import LOG_DIR, begin_save, commit_generation, current_generation, prune, remove_save_files
 from ..transport import Transport
 
 __all__ = ["SaveHeader", "StorageRecord", "reduce_plan", "reduce_commit", "commit_metadata", "tensor_metas",
@@ -236,32 +239,75 @@ def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan],
 
     ``destination`` ``(checkpoint_id, storage_options)``: the save begins there (its id is taken
     on the path's current commit and recorded, :func:`~raydcp.storage.commits.begin_save`) unless
-    ``options`` fix the save id.
+    ``options`` fix the save id; where the backend reserves room per place
+    (:mod:`raydcp.storage.capacity`), the room for every rank's files is reserved last, so a save
+    that does not fit fails every rank here, before any byte is staged or written.
     """
+    storage = sites = None
+    began = False
     if destination is not None:
-        local_plans = _same_destination(destination[0], local_plans)
+        local_plans, sites = _same_destination(destination[0], local_plans)
+        storage = CheckpointStorage(*destination)
         if options.save_id is None:
-            options = replace(options, save_id=begin_save(CheckpointStorage(*destination)))
+            options, began = replace(options, save_id=begin_save(storage)), True
     gp = plan_save(local_plans, options)
+    if storage is not None and capacity.reserves_capacity(storage):
+        _reserve(storage, gp.save_id, gp.ranks, local_plans, sites, began)
     header = SaveHeader(gp.save_id, gp.world_size, dict(gp.tensors), dict(gp.values))
     return [(gp.ranks[r], header if r == 0 else None) for r in range(gp.world_size)]
+
+
+def _reserve(storage: CheckpointStorage, save_id: str, plans: Sequence[RankWritePlan],
+             local_plans: Sequence[LocalSavePlan], sites: Sequence[Any], began: bool) -> None:
+    """Reserve the bytes of every rank's files at the rank's writer site; on refusal the save's
+    begin record goes too (nothing of the save remains) and the error fails every rank."""
+    need: dict[Any, int] = {}
+    for plan, lp, site in zip(plans, local_plans, sites):
+        need[site] = need.get(site, 0) + planned_file_bytes(plan, lp.columns.nbytes)
+    try:
+        capacity.reserve_save(storage, save_id, need)
+    except CheckpointError:
+        if began:
+            try:
+                storage.remove_files([f"{LOG_DIR}/begun-{save_id}"])
+            except CheckpointError:
+                pass  # the next commit's prune removes it
+        raise
+
+
+def planned_file_bytes(plan: RankWritePlan, nbytes) -> int:
+    """The bytes of the files ``plan`` writes (alignment gaps included); ``nbytes[i]`` is item i's size."""
+    files = plan.files
+    cols = [getattr(files, a, None) for a in ("items", "byte_offsets", "bounds")]
+    if all(c is not None for c in cols):  # a columnar plan (FileTable): no slot objects
+        items, offs, bounds = (np.asarray(c, np.int64) for c in cols)
+        last = bounds[1:] - 1
+        last = last[last >= bounds[:-1]]
+        return int((offs[last] + np.asarray(nbytes, np.int64)[items[last]]).sum())
+    return sum(slots[-1].byte_offset + int(nbytes[slots[-1].item]) for _, slots in files if slots)
 
 
 def plan_round(transport: Transport, local: Any, options: SavePlanOptions = SavePlanOptions(),
                step: str = PLAN_STEP, checkpoint_id: str | None = None,
                storage_options: dict | None = None) -> tuple[RankWritePlan, SaveHeader | None]:
     """Step 1 on a rank: send ``local`` (a LocalSavePlan or RankFailure), get this rank's plan back.
-    With ``checkpoint_id`` the save begins at that path (see :func:`reduce_plan`)."""
+    With ``checkpoint_id`` the save begins at that path (see :func:`reduce_plan`); every rank says
+    where it saves and where its writes land (:func:`raydcp.storage.capacity.writer_site`)."""
     if checkpoint_id is None:
         return transport.reduce_scatter(step, local, partial(reduce_plan, options))
     destination = (str(checkpoint_id), storage_options)
     if not isinstance(local, RankFailure):  # every rank says where it saves: unrelated saves never mix
-        local = (CheckpointStorage(*destination).url, local)
+        try:
+            storage = CheckpointStorage(*destination)
+            local = (storage.url, local, capacity.writer_site(storage))
+        except Exception as exc:  # fails every rank at the plan step, naming this one
+            local = RankFailure.from_exception(transport.rank, exc)
     return transport.reduce_scatter(step, local, partial(reduce_plan, options, destination=destination))
 
 
-def _same_destination(checkpoint_id: str, values: Sequence[tuple]) -> list:
-    """The ranks' local plans, once every rank named the same checkpoint; else one error naming them."""
+def _same_destination(checkpoint_id: str, values: Sequence[tuple]) -> tuple[list, list]:
+    """The ranks' local plans and writer sites, once every rank named the same checkpoint; else one
+    error naming them."""
     paths = [v[0] for v in values]
     if len(set(paths)) > 1:
         detail = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
@@ -269,7 +315,7 @@ def _same_destination(checkpoint_id: str, values: Sequence[tuple]) -> list:
             f"the ranks of one save name different checkpoints ({detail}): every rank of a collective save "
             "must pass the same checkpoint_id; two unrelated saves may be sharing one Group name; nothing "
             "was written")
-    return [v[1] for v in values]
+    return [v[1] for v in values], [v[2] for v in values]
 
 
 # -- step 3: commit ----------------------------------------------------------------------------

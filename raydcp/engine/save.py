@@ -17,6 +17,7 @@ from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec,
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
+from ..storage.capacity import release_save
 from ..transport import Transport
 from .protocol import StorageRecord, commit_round, name_storage_error, plan_round
 
@@ -242,8 +243,15 @@ def discard_after_failure(storage: CheckpointStorage, plans: Iterable[RankWriteP
     failed save (a full disk, a lost race) leaves nothing behind and the next save has the room.
 
     Not where the coordinator was lost (it may have committed before it went): the next save to
-    the path removes the files then, if they are garbage. Best effort: never hides ``error``.
+    the path removes the files then, if they are garbage. The room the save reserved at its plan
+    step (:mod:`raydcp.storage.capacity`) is given back in every case. Best effort: never hides
+    ``error``.
     """
+    for save_id in {plan.save_id for plan in plans if plan is not None}:
+        try:
+            release_save(storage, save_id)
+        except Exception:
+            pass
     if isinstance(error, CoordinatorLostError):
         return
     names = [n for plan in plans if plan is not None for n in rank_file_names(plan)]

@@ -6,6 +6,7 @@ import pytest
 
 import raydcp  # noqa: F401  (registers raymem:// with fsspec)
 from raydcp.errors import CheckpointError
+from raydcp.runtime.memstore.capacity import node_shares
 from raydcp.runtime.memstore.commit import checkpoint_dir
 from raydcp.runtime.memstore.placement import ring_targets
 
@@ -50,3 +51,16 @@ def test_checkpoint_dir_of_data_files():
     assert checkpoint_dir("run/step-1/data/abc/r00000-f000.bin") == "run/step-1"
     assert checkpoint_dir("run/step-1/data/abc/journal/0.json") == "run/step-1"
     assert checkpoint_dir("run/step-1/status.json") == "run/step-1"
+
+
+def test_a_saves_share_of_each_node_counts_its_ranks_and_the_replicas_it_keeps():
+    nodes = ["a", "b", "c"]
+    sites = {("a", 1000): 100, ("b", 1000): 50}  # the ranks of a write 100 bytes, those of b 50
+    share, own = node_shares(sites, nodes, 1, "raymem://x")
+    assert own == {"a": 100, "b": 50}
+    assert share == {"a": 100, "b": 50 + 100, "c": 50}  # ring: a's replica on b, b's on c
+    assert node_shares(sites, nodes, 0, "raymem://x")[0] == {"a": 100, "b": 50}
+    assert node_shares(sites, nodes, 2, "raymem://x")[0] == {"a": 150, "b": 150, "c": 150}
+    assert node_shares({None: 10}, nodes, 1, "raymem://x") == ({}, {})  # a rank that did not say where
+    with pytest.raises(CheckpointError, match="replicas=3 needs 4 alive nodes"):
+        node_shares(sites, nodes, 3, "raymem://x")

@@ -2,7 +2,8 @@
 
 Called by :class:`raydcp.runtime.memstore.filesystem.RayMemFileSystem` when the storage layer
 publishes a checkpoint's metadata (``raydcp.meta``): the one step where a memory checkpoint
-becomes visible, and the only one that releases older ones.
+becomes visible, and the only one that releases older ones (and the room the save reserved,
+:mod:`raydcp.runtime.memstore.capacity`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ...errors import CheckpointError
 from ...metadata_format import decode_metadata  # raydcp's own codec, no pickle
 from ...storage import METADATA_NAME
 from . import placement
+from .capacity import release_after_commit
 
 __all__ = ["publish", "retain", "checkpoint_dir"]
 
@@ -21,7 +23,8 @@ def publish(fs, path: str, data: bytes) -> None:
     fs._connect(path)
     url = fs._url(path)
     directory = path.rsplit("/", 1)[0] if "/" in path else ""
-    names = list(decode_metadata(data, url).files)
+    md = decode_metadata(data, url)
+    names = list(md.files)
     entries = fs._entries(f"{directory}/" if directory else "")
     problems, started = [], None
     for name in names:
@@ -41,8 +44,10 @@ def publish(fs, path: str, data: bytes) -> None:
              for n in names}
     created = time.time_ns()
     fs._publish_copies(placement.alive_nodes(), path, data, created, where)
+    started = started if started is not None else created
     if fs.keep_last:
-        retain(fs, path, started if started is not None else created)
+        retain(fs, path, started)
+    release_after_commit(fs, path, md.save_id, started)
 
 
 def retain(fs, meta_path: str, started_ns: int) -> None:

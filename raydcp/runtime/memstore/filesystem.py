@@ -3,17 +3,22 @@
 raydcp's storage layer (fsspec only) uses it like any other backend; this module maps the
 primitives it calls onto the holders of :mod:`raydcp.runtime.memstore.holder`:
 
+- ``writer_site`` / ``reserve_save`` / ``release_save`` (:mod:`raydcp.storage.capacity`): at a
+  save's plan step the room for all of its files is reserved on every node they will reach, and a
+  save that does not fit fails every rank before any byte moves (:mod:`.capacity`);
 - ``open(path, "wb")`` / ``pipe_file``: the bytes go, when the file is closed, to the holder of
   the writer's node and to ``replicas`` holders of other nodes (ring order), and the call returns
-  only once every copy is held; a copy that does not fit under a node's byte cap is refused
-  before any byte moves. A write that fails half-way leaves no partial file.
+  only once every copy is held; a copy takes its bytes from its save's reservation, and one
+  beyond it that does not fit under a node's byte cap is refused before any byte moves. A write
+  that fails half-way leaves no partial file.
 - ``pipe_file(".../raydcp.meta")`` is the commit: it first checks that every file the metadata
   names still has all its copies (a node lost after the data writes fails the commit, nothing is
   published), then publishes the metadata on every alive node (one atomic replace per holder),
   then releases the checkpoints of the same NAME beyond ``keep_last`` (never before).
 - ``cat_ranges`` / ``cat_file``: each file is read from the reader's own node's holder (zero-copy
-  from the object store) where it has one, else from a live replica on another node; a file with
-  no live copy is a FileNotFoundError naming it.
+  from the object store) where it has one, else from a live replica on another node: a data file
+  is pulled whole into this node's object store once (then read like a local copy), other files
+  by range; a file with no live copy is a FileNotFoundError naming it.
 - ``info`` / ``ls`` / ``find`` / ``rm``: over the union of the alive nodes' holders.
 
 Options (``storage_options``): ``replicas`` (copies on other nodes; default 1 when more than one
@@ -36,12 +41,13 @@ from fsspec.spec import AbstractFileSystem
 
 from ...errors import CheckpointError
 from ...storage import METADATA_NAME
-from . import placement
+from . import capacity, placement
+from .capacity import NODE_CAP_ENV, cap_error
 from .writer import MemWriter
 
 __all__ = ["RayMemFileSystem", "NODE_CAP_ENV"]
 
-NODE_CAP_ENV = "RAYDCP_MEMSTORE_NODE_CAP_BYTES"
+_PULL_MAX = 1 << 30  # a data file held elsewhere up to this size is pulled whole (_pull), larger ones by range
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool, minimum: int = 0) -> int | None:
@@ -63,6 +69,7 @@ class RayMemFileSystem(AbstractFileSystem):
     # One instance per CheckpointStorage (no fsspec instance cache): the views of data files an
     # instance keeps for its reads (below) are released with it, or by close_reads().
     cachable = False
+    _pulls = True  # a data file held on another node is pulled whole (see _pull)
 
     def __init__(self, replicas: int | None = None, keep_last: int = 1, node_cap_bytes: int | None = None,
                  timeout_s: float = 300.0, **kwargs):
@@ -102,19 +109,32 @@ class RayMemFileSystem(AbstractFileSystem):
     def _connect(self, path: str) -> None:
         placement.ensure_ray(self._url(path))
 
+    def _holders(self, nodes: list[str]) -> dict[str, Any]:
+        """The holders to ask about files on ``nodes``: those that run (a memory tier's copies die
+        with their holder, so a node without one holds nothing)."""
+        return placement.existing_holders(nodes, self._kind)
+
     def _call_all(self, method: str, *args) -> dict[str, Any]:
         """Call ``method`` on the holder of every alive node that runs one; ``{node: result}``
-        of those that answered (a holder lost with its node is skipped)."""
-        holders = placement.existing_holders(placement.alive_nodes(), self._kind)
+        of those that answered (a holder lost with its node is skipped; where a holder outlives
+        nothing it held, :meth:`_holders` of a disk tier, a dead one is replaced and asked again)."""
+        holders = self._holders(placement.alive_nodes())
         refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
         out = {}
         for node, ref in refs.items():
-            try:
-                out[node] = ray.get(ref, timeout=self.timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                placement.forget(node, self._kind)
-            except ray.exceptions.GetTimeoutError:
-                continue
+            for attempt in range(2):
+                try:
+                    out[node] = ray.get(ref, timeout=self.timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    placement.forget(node, self._kind)
+                    again = self._holders([node]).get(node) if attempt == 0 else None
+                    if again is None:
+                        break
+                    ref = getattr(again, method).remote(*args)
+                    continue
+                except ray.exceptions.GetTimeoutError:
+                    pass
+                break
         return out
 
     def _entries(self, prefix: str) -> dict[str, tuple[int, int, tuple, set]]:
@@ -143,17 +163,14 @@ class RayMemFileSystem(AbstractFileSystem):
         holders = [placement.holder(n) for n in targets]
         token = uuid.uuid4().hex
         size = int(data.nbytes)
+        # the cap is for data files: the commit log and status records (a few KB) are not refused
+        cap = self.node_cap_bytes if "/data/" in f"/{path}" else None
         try:
-            refused = self._gather(targets, [h.reserve.remote(token, size, self.node_cap_bytes) for h in holders],
+            refused = self._gather(targets, [h.reserve.remote(token, size, cap, path) for h in holders],
                                    f"reserve memory for {url}")
             refused = [r for r in refused if r is not None]
             if refused:
-                r = refused[0]
-                raise CheckpointError(
-                    f"{url}: no room for {size} bytes on node {r['node']}: its holder has {r['used']} of its "
-                    f"{r['cap']}-byte cap in use (node_cap_bytes); nothing of this file was written. Raise "
-                    f"storage_options['node_cap_bytes'] (or {NODE_CAP_ENV}), lower keep_last or replicas, or "
-                    "save fewer bytes per node")
+                raise cap_error(url, refused[0], what=f"this file of {size} bytes")
             obj = ray.put(data)
             self._gather(targets, [h.store.remote(path, [obj], size, created_ns, tuple(targets), token)
                                    for h in holders], f"hold {url}")
@@ -168,7 +185,10 @@ class RayMemFileSystem(AbstractFileSystem):
             raise
         return targets
 
-    def _gather(self, nodes: list[str], refs: list, what: str) -> list:
+    def _gather(self, nodes: list[str], refs: list, what: str, again=None) -> list:
+        """The results of ``refs`` (calls on the holders of ``nodes``). ``again()``, where given,
+        makes the calls anew: used once where a holder died on a node that is still alive (a disk
+        tier's holder: its files outlive it, and its successor finds them again)."""
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -178,9 +198,23 @@ class RayMemFileSystem(AbstractFileSystem):
                 ray.exceptions.ObjectLostError) as exc:
             for n in nodes:
                 placement.forget(n, self._kind)
+            if again is not None and set(nodes) <= set(placement.alive_nodes()):
+                return self._gather(nodes, again(), what)
             raise CheckpointError(f"could not {what}: a holder among nodes {nodes} was lost "
                                   f"({type(exc).__name__}); the node may have left the cluster; nothing was "
                                   "committed, save again") from None
+
+    # the optional capacity protocol of raydcp.storage.capacity (raydcp.runtime.memstore.capacity)
+    def writer_site(self) -> tuple[str, int | None]:
+        """This process's node and the byte cap it sees: where its writes land (first copy)."""
+        placement.ensure_ray("raymem://")
+        return placement.local_node(), self.node_cap_bytes
+
+    def reserve_save(self, path: str, save_id: str, bytes_by_site: dict) -> None:
+        capacity.reserve(self, self._strip_protocol(path), save_id, bytes_by_site)
+
+    def release_save(self, path: str, save_id: str) -> None:
+        capacity.release(self, self._strip_protocol(path), save_id)
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)
@@ -333,8 +367,13 @@ class RayMemFileSystem(AbstractFileSystem):
                 bounds = [self._bounds(starts[i], ends[i], size) for i in idxs]
                 holder = placement.existing_holders([node], self._kind).get(node)
                 try:
-                    got = ray.get(holder.read_ranges.remote(path, [b[0] for b in bounds], [b[1] for b in bounds]),
-                                  timeout=self.timeout_s)
+                    whole = self._pull(holder, path) if self._pulls and "/data/" in path and size <= _PULL_MAX \
+                        else None
+                    if whole is not None:
+                        got = [whole[s:e] for s, e in bounds]
+                    else:
+                        got = ray.get(holder.read_ranges.remote(path, [b[0] for b in bounds], [b[1] for b in bounds]),
+                                      timeout=self.timeout_s)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                         ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError, AttributeError) as exc:
                     placement.forget(node, self._kind)
@@ -353,6 +392,22 @@ class RayMemFileSystem(AbstractFileSystem):
                     why += f" (the holders that had one did not answer: {type(error).__name__})"
                 for i in idxs:
                     out[i] = FileNotFoundError(why)
+
+    def _pull(self, holder, path: str) -> np.ndarray | None:
+        """The whole of data file ``path`` from ``holder``'s node, pulled into this node's object
+        store by Ray's object transfer (one per node: every reader process here shares the copy)
+        and kept like a local copy for the next ranges; None where the holder has no such object.
+
+        Why the whole file: a load reads a file in many ranges, often one per piece, and a call to
+        a holder on another node per range costs far more than the transfer of the bytes; files
+        are at most ``max_file_bytes`` (256 MiB by default) unless one piece is larger."""
+        boxed = ray.get(holder.lookup.remote([path]), timeout=self.timeout_s).get(path)
+        if not boxed:
+            return None
+        arr = ray.get(boxed[0], timeout=self.timeout_s)
+        with self._views_lock:
+            self._views[path] = arr
+        return arr
 
     def _lost(self, path: str) -> str | None:
         """Why a file that a committed checkpoint names has no copy left, if one does name it."""

@@ -8,20 +8,35 @@ numpy ``uint8`` arrays, so a reader on the same node gets them zero-copy.
 Protocol of a write (the caller is :class:`raydcp.runtime.memstore.filesystem.RayMemFileSystem`
 in the writing process):
 
-1. :meth:`MemHolder.reserve` on every holder that is to hold a copy: a copy that would push a
-   holder past the node's byte cap is refused *before* any byte moves;
+0. (at the save's plan step, once per save) :meth:`MemHolder.reserve_save` on every holder that
+   the save's files will reach: the room for all of them, refused as a whole if it does not fit
+   (:mod:`raydcp.runtime.memstore.capacity`);
+1. :meth:`MemHolder.reserve` on every holder that is to hold a copy: the copy's bytes come out of
+   its save's reservation, and a copy beyond it that would push a holder past the node's byte
+   cap is refused *before* any byte moves;
 2. the writer puts the bytes once into its own node's object store and calls :meth:`store` on
    each holder with that object: the local holder copies it within the node, a replica holder
    pulls it over the network and puts its own copy (so each replica lives on its own node);
 3. :meth:`release` frees a reservation that was not used (a write that failed elsewhere).
 
-Reads: :meth:`lookup` hands out the (borrowed) object of a file, for zero-copy reads on the node;
-:meth:`read_ranges` serves byte ranges to readers on other nodes.
+Reads: :meth:`lookup` hands out the (borrowed) object of a file, for zero-copy reads on the node
+(and for a reader on another node to pull a data file whole into its own node's object store);
+:meth:`read_ranges` serves byte ranges to readers on other nodes (of other files, and of a
+node-local disk tier's files).
+
+A node-local disk tier's holder (``kind="disk"``, :mod:`raydcp.runtime.memstore.nodelocal`) keeps
+no bytes, only its index of the files written on its node's disk, and that index is in memory. So
+that a holder restarted on a live node (its process killed, or lost to an OOM) does not forget
+them, it finds them again on the disk: the first time it is asked about a path (a listing, a
+size, a read), it walks the directory of that path on its disk once and indexes every file there
+(never a temporary file of an atomic publish), with the size on disk and the creation time that
+the write recorded as the file's modification time.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +47,10 @@ import ray
 
 from ...storage._local import publish_atomically
 
-__all__ = ["MemHolder", "FileEntry"]
+__all__ = ["MemHolder", "FileEntry", "NODE_PLACEHOLDER"]
+
+NODE_PLACEHOLDER = "{node}"  # in a node-local tier's path: the id of the node that holds the file
+_TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{16}$")  # publish_atomically's file before its rename
 
 
 @dataclass
@@ -49,29 +67,71 @@ class MemHolder:
     """The files of ``raymem://`` held on one node (a plain class; ``ray.remote`` is applied in
     :mod:`raydcp.runtime.memstore.placement`)."""
 
-    def __init__(self, node_id: str):
+    def __init__(self, node_id: str, kind: str = "mem"):
         self.node_id = node_id
+        self.kind = kind  # "mem": copies in the object store; "disk": files on this node's disk
+        self._walked: set[str] = set()  # disk: local directories indexed from the disk already
         self._files: dict[str, FileEntry] = {}
-        self._reserved: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}  # per file being written (a token): its bytes
+        self._saves: dict[str, list[int]] = {}  # per save ("<dir>/data/<save id>"): [bytes left, reserved at]
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- accounting
 
     def _used(self) -> int:
-        return sum(e.size for e in self._files.values()) + sum(self._reserved.values())
+        return (sum(e.size for e in self._files.values()) + sum(self._reserved.values())
+                + sum(left for left, _ in self._saves.values()))
 
     def usage(self) -> dict:
         with self._lock:
             return {"node": self.node_id, "held": sum(e.size for e in self._files.values()),
-                    "reserved": sum(self._reserved.values()), "files": len(self._files)}
+                    "reserved": sum(self._reserved.values()) + sum(left for left, _ in self._saves.values()),
+                    "files": len(self._files)}
 
-    def reserve(self, token: str, nbytes: int, cap: int | None) -> dict | None:
-        """Reserve ``nbytes`` for a copy about to be stored; None when granted, else a dict that
-        says what this node holds against ``cap``."""
+    def _refusal(self, nbytes: int, cap: int) -> dict:
+        held = sum(e.size for e in self._files.values())
+        return {"node": self.node_id, "used": self._used(), "held": held, "cap": cap, "need": nbytes}
+
+    def _save_of(self, path: str | None) -> str | None:
+        """The reserved save whose files ``path`` is one of."""
+        if path is None:
+            return None
+        return next((k for k in self._saves if path.startswith(k + "/")), None)
+
+    def reserve_save(self, key: str, nbytes: int, cap: int | None, created_ns: int) -> dict | None:
+        """Reserve ``nbytes`` for the files of a whole save (``key``: its ``<dir>/data/<save id>``),
+        atomically against ``cap``: None when granted, else what this node holds against the cap."""
         with self._lock:
-            used = self._used()
-            if cap is not None and used + nbytes > cap:
-                return {"node": self.node_id, "used": used, "cap": cap, "need": nbytes}
+            if cap is not None and self._used() + nbytes > cap:
+                return self._refusal(nbytes, cap)
+            left = self._saves.get(key, [0, created_ns])[0]
+            self._saves[key] = [left + nbytes, created_ns]
+            return None
+
+    def reservations(self, prefix: str) -> dict[str, tuple[int, int]]:
+        """``{save key: (bytes left, reserved at)}`` of the saves reserved under ``prefix``."""
+        with self._lock:
+            return {k: (v[0], v[1]) for k, v in self._saves.items() if k.startswith(prefix)}
+
+    def release_saves(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._saves.pop(key, None)
+
+    def reserve(self, token: str, nbytes: int, cap: int | None, path: str | None = None) -> dict | None:
+        """Reserve ``nbytes`` for a copy of ``path`` about to be stored; None when granted, else a
+        dict that says what this node holds against ``cap``. A file of a save that reserved room
+        (:meth:`reserve_save`) takes its bytes from that reservation; only what exceeds it is
+        checked against the cap."""
+        with self._lock:
+            key = self._save_of(path)
+            take = min(self._saves[key][0], nbytes) if key is not None else 0
+            if key is not None:
+                self._saves[key][0] -= take
+            if take < nbytes and cap is not None and self._used() + nbytes > cap:
+                if key is not None:
+                    self._saves[key][0] += take
+                return self._refusal(nbytes, cap)
             self._reserved[token] = self._reserved.get(token, 0) + nbytes
             return None
 
@@ -106,7 +166,9 @@ class MemHolder:
         return self.node_id
 
     def register(self, path: str, local_path: str, size: int, created_ns: int, nodes: tuple) -> str:
-        """Record a file of a node-local disk tier, written durably at ``local_path`` on this node."""
+        """Record a file of a node-local disk tier, written durably at ``local_path`` on this node
+        (its modification time becomes ``created_ns``: what a restarted holder reads back)."""
+        os.utime(local_path, ns=(created_ns, created_ns))
         with self._lock:
             self._files[path] = FileEntry(None, size, created_ns, tuple(nodes), None, local_path)
         return self.node_id
@@ -115,6 +177,7 @@ class MemHolder:
                    placement: dict | None = None) -> str:
         """Publish a small file (the metadata) at ``local_path`` on this node's disk, atomically."""
         publish_atomically(local_path, memoryview(data))
+        os.utime(local_path, ns=(created_ns, created_ns))
         with self._lock:
             self._files[path] = FileEntry(None, len(data), created_ns, tuple(nodes), placement, local_path)
         return self.node_id
@@ -143,11 +206,14 @@ class MemHolder:
 
     def listing(self, prefix: str) -> dict[str, tuple[int, int, tuple]]:
         """``{path: (size, created_ns, nodes)}`` of every file whose path starts with ``prefix``."""
+        self._discover(prefix)
         with self._lock:
             return {p: (e.size, e.created_ns, e.nodes) for p, e in self._files.items() if p.startswith(prefix)}
 
     def sizes(self, paths: list[str]) -> dict[str, int]:
         """``{path: size}`` of the paths held here."""
+        for path in paths:
+            self._discover(path)
         with self._lock:
             return {p: self._files[p].size for p in paths if p in self._files}
 
@@ -158,6 +224,7 @@ class MemHolder:
 
     def read_ranges(self, path: str, starts: list[int], ends: list[int]) -> list[np.ndarray] | None:
         """Byte ranges of ``path`` (clamped to its size), for a reader on another node."""
+        self._discover(path)
         with self._lock:
             entry = self._files.get(path)
         if entry is None:
@@ -171,3 +238,40 @@ class MemHolder:
 
     def ping(self) -> tuple[str, float]:
         return self.node_id, time.time()
+
+    # ----------------------------------------------------------------- a disk tier's files, found again
+
+    def _discover(self, path: str) -> None:
+        """Index the files of this node's disk under the directory of ``path`` (a prefix, a file
+        or a directory of a node-local tier), once per directory: a restarted holder finds again
+        what its predecessor had."""
+        if self.kind != "disk" or not path:
+            return
+        local = path.replace(NODE_PLACEHOLDER, self.node_id)
+        if os.path.isdir(local):
+            root, template = local.rstrip("/"), path.rstrip("/")
+        else:
+            root, template = os.path.dirname(local), path.rsplit("/", 1)[0]
+            if NODE_PLACEHOLDER in path and NODE_PLACEHOLDER not in template:
+                return  # the parent of every node's directory: not this node's to claim
+        if not root or root == "/" or template.replace(NODE_PLACEHOLDER, self.node_id) != root:
+            return
+        with self._lock:
+            if any(root == d or root.startswith(d + "/") for d in self._walked):
+                return
+        found: dict[str, FileEntry] = {}
+        for directory, _, names in os.walk(root):
+            for fname in names:
+                if _TEMPORARY.search(fname):
+                    continue
+                full = os.path.join(directory, fname)
+                try:
+                    st = os.stat(full)
+                except OSError:
+                    continue  # removed meanwhile
+                rel = os.path.relpath(full, root).replace(os.sep, "/")
+                found[f"{template}/{rel}"] = FileEntry(None, st.st_size, st.st_mtime_ns, (self.node_id,), None, full)
+        with self._lock:
+            self._walked.add(root)
+            for p, entry in found.items():
+                self._files.setdefault(p, entry)  # what the protocol recorded meanwhile wins

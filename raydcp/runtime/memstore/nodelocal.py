@@ -15,7 +15,9 @@ in place of its object store and no replicas (the next tier of a pipeline is the
 - a read takes the local file where this node holds it (only the byte ranges asked for), else
   asks the holder of the node that has it for exactly those ranges; a file whose node is gone has
   no copy here (a pipeline then loads from its next tier);
-- listings and removal go through the alive nodes' disk holders.
+- listings and removal go through the alive nodes' disk holders, started where none runs: a
+  holder restarted on a live node finds the files of its node's disk again (it indexes the
+  directory of the first path it is asked about, :class:`~raydcp.runtime.memstore.holder.MemHolder`).
 """
 from __future__ import annotations
 
@@ -27,10 +29,9 @@ import numpy as np
 from ...storage._local import write_durably
 from . import placement
 from .filesystem import RayMemFileSystem
+from .holder import NODE_PLACEHOLDER
 
 __all__ = ["RayNodeFileSystem", "NODE_PLACEHOLDER"]
-
-NODE_PLACEHOLDER = "{node}"
 
 
 class RayNodeFileSystem(RayMemFileSystem):
@@ -38,6 +39,9 @@ class RayNodeFileSystem(RayMemFileSystem):
 
     protocol = "raynode"
     _kind = "disk"
+    # no byte cap on a disk (a full disk fails the write): no room to reserve at the plan step
+    writer_site = reserve_save = release_save = None
+    _pulls = False  # no objects: a peer's file is read by range from its holder
 
     def __init__(self, keep_last: int = 0, timeout_s: float = 300.0, **kwargs):
         super().__init__(replicas=0, keep_last=keep_last, timeout_s=timeout_s, **kwargs)
@@ -60,6 +64,11 @@ class RayNodeFileSystem(RayMemFileSystem):
     def _replicas(self, nodes: list[str]) -> int:
         return 0
 
+    def _holders(self, nodes: list[str]) -> dict[str, Any]:
+        """Every alive node's disk holder, started where none runs: the files on a node's disk
+        outlive its holder, and a new one finds them again (:meth:`MemHolder._discover`)."""
+        return {n: placement.holder(n, self._kind) for n in nodes}
+
     def _write(self, path: str, data: np.ndarray, created_ns: int) -> list[str]:
         self._connect(path)
         node = placement.local_node()
@@ -68,14 +77,19 @@ class RayNodeFileSystem(RayMemFileSystem):
             write_durably(local, [memoryview(data).cast("B")])
         except OSError as exc:
             raise OSError(f"could not write {self._url(path)} at {local} on node {node}: {exc}") from exc
-        self._gather([node], [placement.holder(node, self._kind).register.remote(
-            path, local, int(data.nbytes), created_ns, (node,))], f"record {self._url(path)}")
+        def record():
+            return [placement.holder(node, self._kind).register.remote(path, local, int(data.nbytes), created_ns,
+                                                                       (node,))]
+
+        self._gather([node], record(), f"record {self._url(path)}", again=record)
         return [node]
 
     def _publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
-        holders = [placement.holder(n, self._kind) for n in nodes]
-        self._gather(nodes, [h.store_file.remote(path, self.local_path(path, n), data, created_ns, tuple(nodes), where)
-                             for n, h in zip(nodes, holders)], f"publish {self._url(path)}")
+        def publish():
+            return [placement.holder(n, self._kind).store_file.remote(path, self.local_path(path, n), data, created_ns,
+                                                                      tuple(nodes), where) for n in nodes]
+
+        self._gather(nodes, publish(), f"publish {self._url(path)}", again=publish)
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         """Byte ranges: from this node's own files where it holds them (positional reads of exactly

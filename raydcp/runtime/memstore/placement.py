@@ -74,7 +74,7 @@ def holder(node_id: str, kind: str = "mem"):
         name=f"{_PREFIX[kind]}-{node_id}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_concurrency=32, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id)
+    ).remote(node_id, kind)
     with _lock:
         _handles[kind, node_id] = handle
     return handle
