@@ -11,6 +11,7 @@ from ..codec import itemsize
 from ..errors import CheckpointError, RankFailure
 from ..metadata import Metadata
 from ..metadata_format import decode_metadata
+from ..options import DEFAULT_LOAD, LoadOptions
 from ..planner import (LocalLoadPlan, RankLoadPlan, ReadItem, TensorSpec,
                        check_requests, plan_load, stored_sources)
 from ..planner.transfer import plan_transfer
@@ -153,7 +154,8 @@ def _all_done(values: list) -> list:
 
 
 def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, strict: bool = True,
-              storage_options: dict | None = None, warn_skipped: bool = True) -> LoadStats:
+              storage_options: dict | None = None, warn_skipped: bool = True,
+              options: LoadOptions | None = None) -> LoadStats:
     """The load protocol for one rank (every rank of ``transport`` calls it together).
 
     1. flatten the state dict into the regions this rank wants; 2. reduce_scatter
@@ -164,7 +166,9 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
 
     With ``strict=False`` the result names the keys skipped, and rank 0 logs them (all ranks'
     together) in one warning unless ``warn_skipped`` is False (internal partial loads).
+    ``options.io`` sizes this rank's reads (:class:`~raydcp.engine.reads.FileChunkReader`).
     """
+    options = DEFAULT_LOAD if options is None else options
     t0 = time.perf_counter()
     try:
         flat = flatten_state(state_dict, for_load=True)
@@ -175,7 +179,7 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
         "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        nread = _execute(transport, plan, flat, FileChunkReader(storage))
+        nread = _execute(transport, plan, flat, FileChunkReader(storage, options.io))
     finally:
         storage.close()
     if warn_skipped and transport.rank == 0:

@@ -15,20 +15,12 @@ from ..codec import checksum, combine_block_checksums, crc32c_combine, itemsize,
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointReplacedError
 from ..metadata import BLOCK_BYTES, ChunkColumns
 from ..metadata_format import decode_metadata
-from ..options import DEFAULT_IO
+from ..options import DEFAULT_IO, IOOptions
 from ..storage import METADATA_NAME
 from ..planner import ChunkRead, Delivery, SourceChunk, byte_runs, merge_runs
 from ..state import TensorLeaf
 
 __all__ = ["ChunkReader", "FileChunkReader", "LiveChunkReader", "Deliverer", "check_shares"]
-
-# the read path's sizes (raydcp.options.IOOptions): whole chunks from POOL_MIN bytes on are read and
-# verified in POOL_THREADS threads, TASK_BYTES per task (whole checksum blocks), overlapping reads with
-# checks; smaller chunks of one file are read in batches of up to BATCH_BYTES
-POOL_MIN = DEFAULT_IO.read_pool_min
-TASK_BYTES = DEFAULT_IO.read_task_bytes
-POOL_THREADS = DEFAULT_IO.read_threads
-BATCH_BYTES = DEFAULT_IO.read_batch_bytes
 
 
 def _narrow(t: torch.Tensor, base, offsets, sizes) -> torch.Tensor:
@@ -139,10 +131,16 @@ class FileChunkReader(ChunkReader):
     A joint read (``ChunkRead.joint``: other ranks read the rest of the chunk) reads exactly its
     runs; a checksum block it covers only in part is not widened: the CRC of its share goes to
     ``shares`` and :func:`check_shares` verifies the block from every reader's shares.
+
+    ``io`` (:class:`~raydcp.options.IOOptions`) sizes the reads: whole chunks from
+    ``io.read_pool_min`` bytes on are read and verified in ``io.read_threads`` threads,
+    ``io.read_task_bytes`` per task (whole checksum blocks), overlapping reads with checks;
+    smaller chunks of one file are read in batches of up to ``io.read_batch_bytes``.
     """
 
-    def __init__(self, storage):
+    def __init__(self, storage, io: IOOptions = DEFAULT_IO):
         self.storage = storage
+        self.io = io
         self.shares: list[tuple] = []
 
     def read_all(self, reads: Iterable[ChunkRead], out: Deliverer) -> int:
@@ -191,13 +189,16 @@ class FileChunkReader(ChunkReader):
         as columns (a columnar table of reads) is read from its columns, without a ChunkRead
         per chunk.
         """
-        sorted_reads = _columnar_reads(reads, out) or self._sort_reads(reads, out)
+        io = self.io
+        sorted_reads = _columnar_reads(reads, out, io.read_pool_min) or self._sort_reads(reads, out)
         small, large, rest, resolve = sorted_reads
         nread = sum(e[1] for chunks in small.values() for e in chunks) + sum(ch.nbytes for ch, _ in large)
-        pool = ThreadPoolExecutor(min(POOL_THREADS, len(large)), thread_name_prefix="raydcp-read") if large else None
+        pool = ThreadPoolExecutor(min(io.read_threads, len(large)), thread_name_prefix="raydcp-read") \
+            if large else None
+        task = io.read_task_bytes
         try:
-            pending = [(ch, [pool.submit(self._read_part, ch, view, s, min(s + TASK_BYTES, ch.nbytes))
-                             for s in range(0, ch.nbytes, TASK_BYTES)])
+            pending = [(ch, [pool.submit(self._read_part, ch, view, s, min(s + task, ch.nbytes))
+                             for s in range(0, ch.nbytes, task)])
                        for ch, view in ((ch, memoryview(_host_bytes(dest))) for ch, dest in large)]
             for name, chunks in small.items():
                 self._read_small(name, chunks, resolve)
@@ -214,13 +215,13 @@ class FileChunkReader(ChunkReader):
                 pool.shutdown(wait=True, cancel_futures=True)
         return nread
 
-    @staticmethod
-    def _sort_reads(reads: Iterable[ChunkRead], out: Deliverer):
+    def _sort_reads(self, reads: Iterable[ChunkRead], out: Deliverer):
         """Split ``reads`` into small whole chunks by file (``(byte offset, nbytes, checksum,
         destination, chunk)``), large whole chunks ``(chunk, destination)`` and the rest."""
         small: dict[str, list[tuple]] = {}
         large: list[tuple[Any, torch.Tensor]] = []
         rest: list[ChunkRead] = []
+        pool_min = self.io.read_pool_min
         for cr in reads:
             ch = cr.source
             nbytes = ch.nbytes
@@ -230,7 +231,7 @@ class FileChunkReader(ChunkReader):
             if len(dels) == 1 and dels[0].sizes == ch.sizes:
                 dest = out.direct(dels[0], nbytes)
                 if dest is not None:
-                    if nbytes < POOL_MIN:
+                    if nbytes < pool_min:
                         small.setdefault(ch.file, []).append((ch.byte_offset, nbytes, ch.checksum, dest, ch))
                     else:
                         large.append((ch, dest))
@@ -270,11 +271,12 @@ class FileChunkReader(ChunkReader):
         SourceChunk) to name in errors; without ``resolve``, ``ref`` is the chunk."""
         crc = crc32c.crc32c
         memmove = ctypes.memmove
+        batch_bytes = self.io.read_batch_bytes
         chunks.sort(key=_first)  # in file order: sequential reads, touching ones merged
         i, n = 0, len(chunks)
         while i < n:
             j, size = i, 0
-            while j < n and (j == i or size + chunks[j][1] <= BATCH_BYTES):
+            while j < n and (j == i or size + chunks[j][1] <= batch_bytes):
                 size += chunks[j][1]
                 j += 1
             batch = chunks[i:j]
@@ -429,7 +431,7 @@ _READ_COLUMNS = ("keys", "dtypes", "ndims", "files", "key", "offsets", "sizes", 
                  "checksum", "block_values", "block_bounds", "delivery_bounds", "d_rank", "d_item", "d_sizes")
 
 
-def _columnar_reads(reads: Any, out: Deliverer):
+def _columnar_reads(reads: Any, out: Deliverer, pool_min: int = DEFAULT_IO.read_pool_min):
     """:meth:`FileChunkReader._sort_reads` for a plan whose reads come as columns (arrays of
     keys, boxes, files, offsets, checksums and deliveries; checksum -1 for none); None if
     ``reads`` is a plain sequence of ChunkRead. Only chunks that are not read whole into this
@@ -466,7 +468,7 @@ def _columnar_reads(reads: Any, out: Deliverer):
     large: list[tuple[Any, torch.Tensor]] = []
     rest_rows: list[int] = []
     whole_dest = out.whole
-    rows = np.flatnonzero(whole & (nbytes < POOL_MIN) & (nblocks == 0))
+    rows = np.flatnonzero(whole & (nbytes < pool_min) & (nblocks == 0))
     for i, item, nb, f, off, crc in zip(rows.tolist(), items[rows].tolist(), nbytes[rows].tolist(),
                                           np.asarray(reads.file)[rows].tolist(), boff[rows].tolist(),
                                           crcs[rows].tolist()):
@@ -475,7 +477,7 @@ def _columnar_reads(reads: Any, out: Deliverer):
             rest_rows.append(i)
         else:
             small.setdefault(files[f], []).append((off, nb, None if crc < 0 else crc, dest, i))
-    rows = np.flatnonzero(whole & ((nbytes >= POOL_MIN) | (nblocks > 0)))
+    rows = np.flatnonzero(whole & ((nbytes >= pool_min) | (nblocks > 0)))
     for i, item, nb in zip(rows.tolist(), items[rows].tolist(), nbytes[rows].tolist()):
         dest = whole_dest(item, nb)
         if dest is None:

@@ -40,14 +40,15 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import CheckpointError, RankFailure
 from ..metadata import ChunkMeta, Metadata, TensorMeta
-from ..planner import SavePlanOptions, TensorSpec
+from ..options import DEFAULT_SAVE, SaveOptions
+from ..planner import TensorSpec
 from ..planner.tiling import piece_problems
 from ..state import flatten_state
 from ..storage import CheckpointStorage
 from ..storage.commits import begin_save, current_generation, save_generation
 from ..transport import Transport
 from .protocol import StorageRecord, commit_checkpoint, name_storage_error, plan_round
-from .save import discard_after_failure, local_save_plan, write_rank_files
+from .save import discard_after_failure, local_save_plan, plan_options, write_rank_files
 
 __all__ = ["RoundRecords", "new_save_id", "round_save_id", "write_round", "commit_rounds", "RoundJournal"]
 
@@ -97,9 +98,10 @@ def _reduce_round_records(values: Sequence[tuple]) -> list:
 
 
 def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: str, *,
-                storage_options: dict | None = None, max_file_bytes: int = SavePlanOptions().max_file_bytes,
+                storage_options: dict | None = None, options: SaveOptions = DEFAULT_SAVE,
                 failure: BaseException | None = None) -> RoundRecords | None:
-    """Step 2 for one rank (every rank of ``transport`` calls it): write this round's pieces.
+    """Step 2 for one rank (every rank of ``transport`` calls it): write this round's pieces,
+    in files of up to ``options.max_file_bytes``, with ``options.io``.
 
     ``state`` holds tensors only (plain values go to :func:`commit_rounds`). Returns the
     round's records on rank 0, None on the others. Nothing is committed. A rank that failed
@@ -118,11 +120,10 @@ def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: 
         local: Any = staged.plan
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
-    options = SavePlanOptions(save_id=save_id, max_file_bytes=max_file_bytes)
-    plan, header = plan_round(transport, local, options, step="round: plan")
+    plan, header = plan_round(transport, local, plan_options(options, save_id=save_id), step="round: plan")
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(storage, plan, staged), header)
+        written: Any = (write_rank_files(storage, plan, staged, io=options.io), header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     try:

@@ -189,7 +189,7 @@ def reshard_with(make_executor: Callable[[], RoundExecutor], per_process: str, s
             for rnd in todo:
                 t1 = time.perf_counter()
                 task = RoundTask(src_url, dst_store.url, round_save_id(journal.save_id, rnd.index), options.layout,
-                                 options.world_size, rnd, options.max_file_bytes, src_storage_options,
+                                 options.world_size, rnd, options.save_options, src_storage_options,
                                  dst_storage_options)
                 rec = executor.run(task)
                 journal.record(rnd.index, rec)

@@ -23,6 +23,7 @@ from ..codec import itemsize
 from ..convert.keys import OPTIMIZER_PREFIXES, KeySelection, dtype_alias
 from ..errors import CheckpointError
 from ..metadata import Metadata
+from ..options import SaveOptions
 from ..planner import TensorSpec
 from ..planner.boxes import numel
 from ..planner.layouts import LAYOUTS, piece_box
@@ -65,6 +66,11 @@ class ReshardOptions:
             v = getattr(self, knob)
             if not isinstance(v, int) or isinstance(v, bool) or v < ALIGN:
                 raise CheckpointError(f"{knob.replace('_', '-')} must be at least {ALIGN} bytes, got {v!r}")
+
+    @property
+    def save_options(self) -> SaveOptions:
+        """The :class:`~raydcp.options.SaveOptions` the rounds write with."""
+        return SaveOptions(max_file_bytes=self.max_file_bytes)
 
     def identity(self) -> dict:
         """The options that decide what the destination holds (recorded in its metadata)."""
