@@ -14,8 +14,8 @@ The options of one call, given to the public functions as ``options=`` (every ra
 passes the same):
 
 - :class:`SaveOptions` (``raydcp.save``, ``raydcp.async_save``, ``ShardGroup.save``, the
-  pipeline, ``raydcp reshard``, ``raydcp convert --from``): the largest data file a rank writes
-  and the write path's :class:`IOOptions`;
+  pipeline, ``raydcp reshard``, ``raydcp convert --from``): the largest data file a rank writes,
+  the compression of the pieces and the write path's :class:`IOOptions`;
 - :class:`LoadOptions` (``raydcp.load``): the read path's :class:`IOOptions`.
 
 :class:`IOOptions` holds the write and read path's sizes and thread counts (the defaults,
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from .errors import CheckpointError
-from .metadata import BLOCK_BYTES
+from .metadata import BLOCK_BYTES, COMPRESSIONS
 from .planner.save import ALIGN
 
 __all__ = ["AsyncOptions", "IOOptions", "SaveOptions", "LoadOptions", "DEFAULT_IO", "DEFAULT_SAVE", "DEFAULT_LOAD",
@@ -157,15 +157,27 @@ class SaveOptions:
     """How a save lays out and writes its data (every rank of a group passes the same).
 
     ``max_file_bytes``: a rank's pieces are coalesced into data files of up to this many bytes
-    (a piece larger than that gets a file of its own); ``io``: the write path's sizes and
-    threads (:class:`IOOptions`).
+    of raw data (a piece larger than that gets a file of its own). ``compression``: None (the
+    pieces' raw bytes), ``"zstd"`` or ``"lz4"``: each piece is compressed on its own with that
+    library codec (pyarrow's), where that makes it smaller, and a load reads a compressed piece
+    whole (docs/FORMAT.md). ``io``: the write path's sizes and threads (:class:`IOOptions`).
     """
 
     max_file_bytes: int = MAX_FILE_BYTES
+    compression: str | None = None
     io: IOOptions = DEFAULT_IO
 
     def __post_init__(self) -> None:
         _check_size("SaveOptions", "max_file_bytes", self.max_file_bytes, ALIGN)
+        if self.compression is not None:
+            if self.compression not in COMPRESSIONS:
+                raise CheckpointError(f"SaveOptions.compression must be None or one of "
+                                      f"{', '.join(map(repr, COMPRESSIONS))}, got {self.compression!r}")
+            import pyarrow as pa  # the codecs are pyarrow's; imported only when one is asked for
+
+            if not pa.Codec.is_available(self.compression):
+                raise CheckpointError(f"SaveOptions.compression={self.compression!r} is not available in this "
+                                      f"pyarrow build ({pa.__version__}); choose another codec or None")
         _check_io("SaveOptions", self.io)
 
     def replace(self, **changes) -> "SaveOptions":

@@ -47,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
     select = key_selection_from_args(args)
     if args.max_shard_size is not None and args.to != "safetensors":
         raise CheckpointError("--max-shard-size applies only to --to safetensors")
-    if args.to is not None and args.max_file_bytes is not None:
-        raise CheckpointError(f"--max-file-bytes applies only to --from (writing a raydcp checkpoint), not --to {args.to}")
+    for flag, value in (("--max-file-bytes", args.max_file_bytes), ("--compression", args.compression)):
+        if args.to is not None and value is not None:
+            raise CheckpointError(f"{flag} applies only to --from (writing a raydcp checkpoint), not --to {args.to}")
     save_options = save_options_from_args(args)
     budget = convert.parse_size(args.memory_budget)
     fmt = args.to or f"raydcp (from {args.from_})"

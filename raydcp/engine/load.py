@@ -19,6 +19,7 @@ from ..state import FlatState, flatten_state
 from ..state_modules import legacy_optimizer_renames
 from ..storage import CheckpointStorage
 from ..transport import Transport
+from .compressed import CompressedPieces
 from .reads import ChunkReader, Deliverer, FileChunkReader, LiveChunkReader, check_shares
 from .save import local_save_plan
 
@@ -72,7 +73,11 @@ def _stored_sources(md: Metadata):
 
 def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):
     """Each rank sends (its LocalLoadPlan, its optimizers' parameter FQNs by id); each gets back
-    (its RankLoadPlan, its Skipped, the group's Skipped: every rank's state-dict-only keys)."""
+    (its RankLoadPlan, its Skipped, the group's Skipped: every rank's state-dict-only keys, the
+    compressed pieces of the files it reads or None).
+
+    A checkpoint holding compressed pieces is planned without joint reads: a compressed piece is
+    read whole, so each is read by one rank, which forwards the parts others need."""
     local_plans = [r[0] for r in requests]
     md = read_metadata(checkpoint_id, storage_options)
     available = {k: TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
@@ -86,15 +91,17 @@ def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests
         sources = {get(k, k): sources[k] for k in sources}
         values = {get(k, k): v for k, v in values.items()}
     check_requests(available, values, local_plans)
-    plans = plan_load(sources, local_plans, values, itemsizes)
+    packed = CompressedPieces.of_metadata(md)
+    plans = plan_load(sources, local_plans, values, itemsizes, joint_reads=not packed)
+    compressed = [packed.for_plan(p) if packed else None for p in plans]
     if all(lp.strict for lp in local_plans):
-        return [(p, None, None) for p in plans]
+        return [(p, None, None, c) for p, c in zip(plans, compressed)]
     stored = set(available) | set(values)
     wanted = [set(lp.tensors) | set(lp.values) for lp in local_plans]
     ckpt_only = tuple(sorted(stored.difference(*wanted)))
     mine = [tuple(sorted(w - stored)) for w in wanted]
     group = Skipped(ckpt_only, tuple(sorted(set().union(*mine))))
-    return [(p, Skipped(ckpt_only, m), group) for p, m in zip(plans, mine)]
+    return [(p, Skipped(ckpt_only, m), group, c) for p, m, c in zip(plans, mine, compressed)]
 
 
 def _param_orders(per_rank) -> dict[str, tuple[str, ...]]:
@@ -175,11 +182,11 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
         local: Any = (local_load_plan(transport.rank, flat, strict), flat.param_orders or None)
     except Exception as exc:
         local = RankFailure.from_exception(transport.rank, exc)
-    plan, skipped, group_skipped = transport.reduce_scatter(
+    plan, skipped, group_skipped, compressed = transport.reduce_scatter(
         "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        nread = _execute(transport, plan, flat, FileChunkReader(storage, options.io))
+        nread = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed))
     finally:
         storage.close()
     if warn_skipped and transport.rank == 0:

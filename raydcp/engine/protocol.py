@@ -64,6 +64,9 @@ class StorageRecord:
     Row ``i``: piece ``offsets[i]`` (size ``sizes[i]``) of tensor ``keys[i]`` is bytes
     ``[byte_offsets[i], byte_offsets[i] + nbytes[i])`` of file ``files[i]``, with CRC32C
     ``crcs[i]`` and, for pieces over one checksum block, the blocks' CRCs ``blocks[i]``.
+    Where pieces were compressed, ``codecs[i]`` (0: raw, else the 1-based position in
+    :data:`raydcp.metadata.COMPRESSIONS`) and ``stored[i]`` (the bytes in the file, which
+    ``crcs[i]`` covers) are given for every row; both empty where every piece is raw.
     """
 
     keys: Sequence[str] = ()
@@ -74,6 +77,8 @@ class StorageRecord:
     nbytes: Sequence[int] = ()
     crcs: Sequence[int] = ()
     blocks: Sequence[tuple[int, ...]] = ()
+    codecs: Sequence[int] = ()
+    stored: Sequence[int] = ()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -99,7 +104,11 @@ class StorageRecord:
         records = [r for r in records if len(r)]
         if len(records) == 1:
             return records[0]
-        return cls(*([v for r in records for v in getattr(r, f)] for f in _FIELDS))
+        packed: tuple = ()
+        if any(r.codecs for r in records):  # raw records' rows: codec 0, stored length nbytes
+            packed = ([v for r in records for v in (r.codecs or [0] * len(r))],
+                      [v for r in records for v in (r.stored or r.nbytes)])
+        return cls(*([v for r in records for v in getattr(r, f)] for f in _FIELDS), *packed)
 
 
 _FIELDS = ("keys", "offsets", "sizes", "files", "byte_offsets", "nbytes", "crcs", "blocks")
@@ -237,7 +246,10 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
     key, off, size, file = key[order], off[order], size[order], file[order]
     boff, nbytes, crc = (np.array(c, np.int64)[order] for c in (rboff, rnbytes, rcrc))
     rows = np.searchsorted(key, np.arange(len(keys) + 1))
-    cols = ChunkColumns(rows, ndim, off, size, list(names), file, boff, nbytes, crc, bval, bounds)
+    codec = stored = None
+    if rec.codecs:
+        codec, stored = np.array(rec.codecs, np.uint8)[order], np.array(rec.stored, np.int64)[order]
+    cols = ChunkColumns(rows, ndim, off, size, list(names), file, boff, nbytes, crc, bval, bounds, codec, stored)
     return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
 
 

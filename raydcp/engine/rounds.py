@@ -35,11 +35,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ..errors import CheckpointError, RankFailure
-from ..metadata import ChunkMeta, Metadata, TensorMeta
+from ..metadata import COMPRESSED_FORMAT_VERSION, COMPRESSIONS, FORMAT_VERSION, ChunkMeta, Metadata, TensorMeta, codec_id
 from ..options import DEFAULT_SAVE, SaveOptions
 from ..planner import TensorSpec
 from ..planner.tiling import piece_problems
@@ -67,18 +67,27 @@ class RoundRecords:
         return self.records.total_bytes
 
     def to_json(self) -> dict:
-        """The journal's form: one row per piece ``[key, offsets, sizes, file, byte offset, nbytes, crc, blocks]``."""
-        return {"save_id": self.save_id,
-                "tensors": {k: [s.dtype, list(s.shape)] for k, s in self.tensors.items()},
-                "records": [[k, list(o), list(s), f, b, n, c, list(bl)]
-                            for k, o, s, f, b, n, c, bl in self.records.rows()]}
+        """The journal's form: one row per piece ``[key, offsets, sizes, file, byte offset, nbytes, crc, blocks]``
+        and, where pieces were compressed, each piece's codec name (or None) and stored length."""
+        out = {"save_id": self.save_id,
+               "tensors": {k: [s.dtype, list(s.shape)] for k, s in self.tensors.items()},
+               "records": [[k, list(o), list(s), f, b, n, c, list(bl)]
+                           for k, o, s, f, b, n, c, bl in self.records.rows()]}
+        if self.records.codecs:
+            out["codecs"] = [COMPRESSIONS[k - 1] if k else None for k in self.records.codecs]
+            out["stored"] = [int(n) for n in self.records.stored]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> "RoundRecords":
-        return cls(obj["save_id"],
-                   {k: TensorSpec(d, tuple(s)) for k, (d, s) in obj["tensors"].items()},
-                   StorageRecord.from_rows([(k, tuple(o), tuple(s), f, int(b), int(n), int(c), tuple(bl))
-                                            for k, o, s, f, b, n, c, bl in obj["records"]]))
+        records = StorageRecord.from_rows([(k, tuple(o), tuple(s), f, int(b), int(n), int(c), tuple(bl))
+                                           for k, o, s, f, b, n, c, bl in obj["records"]])
+        if obj.get("codecs"):
+            if len(obj["codecs"]) != len(records) or len(obj["stored"]) != len(records):
+                raise ValueError("a journal entry's codecs do not match its records")
+            records = replace(records, codecs=[codec_id(k) for k in obj["codecs"]],
+                              stored=[int(n) for n in obj["stored"]])
+        return cls(obj["save_id"], {k: TensorSpec(d, tuple(s)) for k, (d, s) in obj["tensors"].items()}, records)
 
 
 def new_save_id() -> str:
@@ -123,7 +132,8 @@ def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: 
     plan, header = plan_round(transport, local, plan_options(options, save_id=save_id), step="round: plan")
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(storage, plan, staged, io=options.io), header)
+        written: Any = (write_rank_files(storage, plan, staged, io=options.io, compression=options.compression),
+                        header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     try:
@@ -154,17 +164,20 @@ def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Seq
             if key not in tensors or tensors[key].dtype != spec.dtype or len(base) != len(tensors[key].shape):
                 problems.append(f"{rkey}: round {rnd.save_id} holds {spec.dtype}{list(spec.shape)}, which is no "
                                 f"part of any tensor of the checkpoint")
-        for rkey, offsets, sizes, file, off, nbytes, crc, blocks in rnd.records.rows():
+        codecs, stored = rnd.records.codecs, rnd.records.stored
+        for i, (rkey, offsets, sizes, file, off, nbytes, crc, blocks) in enumerate(rnd.records.rows()):
             key, base = placement.get(rkey, (rkey, (0,) * len(offsets)))
             if key not in chunks:
                 continue  # reported above
             absolute = tuple(b + o for b, o in zip(base, offsets))
-            chunks[key].append(ChunkMeta(absolute, sizes, file, off, nbytes, crc, blocks))
+            packed = (COMPRESSIONS[codecs[i] - 1], stored[i]) if codecs and codecs[i] else ()
+            chunks[key].append(ChunkMeta(absolute, sizes, file, off, nbytes, crc, blocks, *packed))
     for key, spec in tensors.items():
         problems.extend(piece_problems(key, spec.shape, [(c.offsets, c.sizes) for c in chunks[key]]))
     if problems:
         raise CheckpointError(f"commit_rounds {checkpoint_id}: the rounds do not form the checkpoint, nothing "
                               "committed:\n  " + "\n  ".join(problems[:20]))
+    compressed = any(rnd.records.codecs and any(rnd.records.codecs) for rnd in rounds)
     md = Metadata(
         save_id=save_id,
         world_size=world_size,
@@ -172,6 +185,7 @@ def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Seq
         tensors={k: TensorMeta(s.dtype, tuple(s.shape), tuple(sorted(chunks[k], key=lambda c: c.offsets)))
                  for k, s in tensors.items()},
         values=dict(values or {}),
+        version=COMPRESSED_FORMAT_VERSION if compressed else FORMAT_VERSION,
         extra=dict(extra or {}),
     )
     # a compare-and-swap on the path's commit log; then the replaced save's files, this save's
@@ -235,8 +249,9 @@ class RoundJournal:
             except (CheckpointError, ValueError, KeyError, TypeError):
                 continue  # a torn journal entry: run the round again
             need: dict[str, int] = {}
-            for file, off, nbytes in zip(rnd.records.files, rnd.records.byte_offsets, rnd.records.nbytes):
-                need[file] = max(need.get(file, 0), off + nbytes)
+            for file, off, length in zip(rnd.records.files, rnd.records.byte_offsets,
+                                         rnd.records.stored or rnd.records.nbytes):
+                need[file] = max(need.get(file, 0), off + length)
             if all((sizes.setdefault(f, self.storage.file_size(f)) or 0) >= n for f, n in need.items()):
                 self.done[int(stem)] = rnd
 

@@ -18,6 +18,7 @@ from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
 from ..transport import Transport
+from .compressed import PieceRows, compressed_file_buffers
 from .protocol import StorageRecord, commit_round, name_storage_error, plan_round
 
 __all__ = ["save_with", "local_save_plan", "StagedState", "write_rank_files", "plan_options"]
@@ -173,15 +174,18 @@ def _file_layouts(files) -> list[tuple[str, list[int], list[int]]]:
 
 def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
                      read: Callable[[str, int, int, int, int], None] | None = None, *,
-                     io: IOOptions = DEFAULT_IO) -> StorageRecord:
+                     io: IOOptions = DEFAULT_IO, compression: str | None = None) -> StorageRecord:
     """Write this rank's files (``io.write_threads`` at once) and return their storage record
     (step 2 of the save protocol, :mod:`raydcp.engine.protocol`): one row per piece.
 
     Each file's pieces are checksummed in its writing thread as they are written
     (:func:`_file_buffers`, with the sizes of ``io``), overlapped with the writes of the other
     files. ``read``, for pieces held by another process, is ``read(file name, item, start,
-    nbytes, address)``.
+    nbytes, address)``. With ``compression`` each piece is compressed on its own
+    (:mod:`raydcp.engine.compressed`) and the files are laid out as written.
     """
+    if compression is not None:
+        return _write_compressed(storage, plan, staged, read, io, compression)
     items = staged.plan.items
     sources = staged.sources() if read is None else None
     sizes = [it.nbytes for it in items]
@@ -199,6 +203,39 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
         files=[name for name, file_ids, _ in layouts for _ in file_ids],
         byte_offsets=[off for _, _, offs in layouts for off in offs], nbytes=[it.nbytes for it in pieces],
         crcs=[crcs[i] for i in ids], blocks=[blocks[i] for i in ids])
+
+
+def _write_compressed(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
+                      read: Callable[[str, int, int, int, int], None] | None, io: IOOptions,
+                      compression: str) -> StorageRecord:
+    """:func:`write_rank_files` with every piece compressed (where that makes it smaller)."""
+    items = staged.plan.items
+    sizes = [it.nbytes for it in items]
+    rows = PieceRows(len(items))
+    layouts = _file_layouts(plan.files)
+    if read is None:
+        sources = staged.sources()
+
+        def piece_of(name: str, item: int) -> memoryview:
+            raw = _byte_view(sources[item])
+            return memoryview((raw if raw.is_cpu else raw.cpu()).numpy())
+    else:
+        def piece_of(name: str, item: int) -> memoryview:
+            buf = np.empty(sizes[item], np.uint8)
+            if sizes[item]:
+                read(name, item, 0, sizes[item], buf.ctypes.data)
+            return memoryview(buf)
+
+    storage.write_files({name: compressed_file_buffers(ids, sizes, partial(piece_of, name), rows, io, compression)
+                         for name, ids, _ in layouts}, max_workers=io.write_threads)
+    ids = [i for _, file_ids, _ in layouts for i in file_ids]
+    pieces = [items[i] for i in ids]
+    return StorageRecord(
+        keys=[it.key for it in pieces], offsets=[it.offsets for it in pieces], sizes=[it.sizes for it in pieces],
+        files=[name for name, file_ids, _ in layouts for _ in file_ids],
+        byte_offsets=[rows.offsets[i] for i in ids], nbytes=[it.nbytes for it in pieces],
+        crcs=[rows.crcs[i] for i in ids], blocks=[rows.blocks[i] for i in ids],
+        codecs=[rows.codecs[i] for i in ids], stored=[rows.stored[i] for i in ids])
 
 
 def save_with(
@@ -229,7 +266,8 @@ def save_with(
                               storage_options=storage_options)
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(storage, plan, staged, io=options.io), header)
+        written: Any = (write_rank_files(storage, plan, staged, io=options.io, compression=options.compression),
+                        header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     try:

@@ -92,7 +92,8 @@ class PersistSession:
             try:
                 part = RankWritePlan(self.plan.rank, self.plan.save_id, tuple(self.batches[index]))
                 storage = CheckpointStorage(self.checkpoint_id, self.storage_options)
-                self.records.append(write_rank_files(storage, part, staged, read, io=self.options.io))
+                self.records.append(write_rank_files(storage, part, staged, read, io=self.options.io,
+                                                     compression=self.options.compression))
             except Exception as exc:
                 self.failure = RankFailure.from_exception(
                     self.transport.rank, name_storage_error(exc, self.checkpoint_id))

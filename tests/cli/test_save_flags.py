@@ -74,3 +74,67 @@ def test_the_flags_are_in_the_help(capfd, flag):
         assert main([command, "--help"]) == 0
         out, err = capfd.readouterr()
         assert flag in out
+
+
+def compressible() -> dict:
+    return {f"layer{i}.w": torch.arange(64 * 64, dtype=torch.int32).reshape(64, 64) % (i + 2) for i in range(4)} | {
+        "step": 5}
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_reshard_compresses_and_reads_compressed_sources(tmp_path, capsys, codec):
+    sd = compressible()
+    raydcp.save(sd, tmp_path / "src")
+    code, _, err = run(capsys, "reshard", tmp_path / "src", tmp_path / "packed", "-M", 2, "--no-progress", "-q",
+                       "--compression", codec)
+    assert code == 0, err
+    md = raydcp.read_metadata(tmp_path / "packed")
+    assert md.compressions == {codec: 8} and md.version == (2, 0) and md.world_size == 2
+    same(tmp_path / "packed", sd)
+    # and back: a compressed source, resharded N -> M into raw pieces
+    code, _, err = run(capsys, "reshard", tmp_path / "packed", tmp_path / "raw", "-M", 3, "--no-progress", "-q",
+                       "--compression", "none")
+    assert code == 0, err
+    md = raydcp.read_metadata(tmp_path / "raw")
+    assert md.compressions == {} and md.version == (1, 0)
+    same(tmp_path / "raw", sd)
+    code, out, err = run(capsys, "verify", tmp_path / "packed")
+    assert code == 0 and "intact" in out, err
+    code, out, err = run(capsys, "inspect", tmp_path / "packed")
+    assert code == 0 and f"compressed: 8 pieces {codec}" in " ".join(out.split()), err
+
+
+def test_convert_compresses_what_it_imports_and_exports_compressed_checkpoints(tmp_path, capsys):
+    sd = compressible()
+    torch.save(sd, tmp_path / "sd.pt")
+    code, _, err = run(capsys, "convert", tmp_path / "sd.pt", tmp_path / "ck", "--from", "torch-save",
+                       "--no-progress", "--compression", "zstd")
+    assert code == 0, err
+    assert raydcp.read_metadata(tmp_path / "ck").compressions == {"zstd": 4}
+    same(tmp_path / "ck", sd)
+    code, _, err = run(capsys, "convert", tmp_path / "ck", tmp_path / "out.pt", "--to", "torch-save", "--no-progress")
+    assert code == 0, err
+    back = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert all(torch.equal(back[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+    code, _, err = run(capsys, "convert", tmp_path / "ck", tmp_path / "out2", "--to", "safetensors",
+                       "--compression", "lz4")
+    assert code == 2 and "--compression applies only to --from" in err
+
+
+def test_verify_exits_non_zero_on_a_damaged_compressed_piece(tmp_path, capsys):
+    raydcp.save(compressible(), tmp_path / "ck", options=raydcp.SaveOptions(compression="lz4"))
+    c = raydcp.read_metadata(tmp_path / "ck").tensors["layer2.w"].chunks[0]
+    assert c.compression == "lz4"
+    with open(tmp_path / "ck" / c.file, "r+b") as f:
+        f.seek(c.byte_offset + c.stored_length - 1)
+        b = f.read(1)
+        f.seek(c.byte_offset + c.stored_length - 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    code, out, err = run(capsys, "verify", tmp_path / "ck")
+    assert code != 0 and "layer2.w" in out + err and c.file in out + err
+
+
+def test_the_compression_flag_is_in_the_help(capfd):
+    for command in ("reshard", "convert"):
+        assert main([command, "--help"]) == 0
+        assert "--compression {none,zstd,lz4}" in " ".join(capfd.readouterr().out.split())

@@ -115,7 +115,7 @@ def test_a_partial_read_of_a_large_chunk_checks_only_the_blocks_it_reads(tmp_pat
 
 def test_reads_given_as_chunk_objects_take_the_same_paths(tmp_path, monkeypatch):
     """A plan whose reads are a plain sequence of ChunkRead (not columns) reads alike."""
-    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out, pool_min: None)
+    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out, pool_min, compressed: None)
     sd = odd_state()
     raydcp.save(sd, tmp_path / "ck")
     dest = {k: torch.zeros_like(v.detach()) for k, v in sd.items()}
@@ -162,7 +162,7 @@ def test_the_planners_reads_are_read_from_their_columns(tmp_path, monkeypatch, p
     """The load planner hands columns; reading them must not fall back to one ChunkRead per chunk."""
     got = []
     real = reads._columnar_reads
-    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out, pool_min: got.append(real(r, out, pool_min)) or got[-1])
+    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out, *a: got.append(real(r, out, *a)) or got[-1])
     sd = {"a": torch.randn(100), "b": torch.randn(3 * MIB // 4)}
     raydcp.save(sd, tmp_path / "ck")
     if partial:  # deliveries that are parts of chunks: the columns carry their boxes

@@ -18,16 +18,22 @@ def pipeline(tmp_path, **kw) -> CheckpointPipeline:
                               max_parallel=2, **kw)
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_the_pipeline_saves_with_its_save_options(tmp_path, async_save):
+@pytest.mark.parametrize("async_save, compression", [(False, None), (True, None), (False, "zstd"), (True, "lz4")])
+def test_the_pipeline_saves_with_its_save_options(tmp_path, async_save, compression):
     state = make_state(n=6, numel=4096)  # 16 KiB per weight
-    p = pipeline(tmp_path, async_save=async_save, save_options=SaveOptions(max_file_bytes=20 << 10),
+    for w in state["model"].values():  # bytes that compress: a few distinct values
+        w.copy_(w.round())
+    p = pipeline(tmp_path, async_save=async_save,
+                 save_options=SaveOptions(max_file_bytes=20 << 10, compression=compression),
                  load_options=LoadOptions(io=IOOptions(read_threads=1)))
     try:
         md = p.save(state, "step-1").result(60)
         record = p.wait("step-1", timeout=60)
+        # the copy on tier 1 is verified too: its checksums cover the stored (compressed) bytes
         assert record.state == "complete", [(e.key, e.error) for e in record.failures()]
+        assert "verified@1" in [e.key for e in record.stages]
         assert len(md.files) >= 6  # one weight per file under the 20 KiB cap
+        assert (compression in md.compressions) if compression else md.compressions == {}
         fast, slow = files_of(str(tmp_path / "fast" / "step-1")), files_of(str(tmp_path / "slow" / "step-1"))
         assert all(slow[n] == b for n, b in fast.items())
         back = zeros_like_state(state)
@@ -35,7 +41,8 @@ def test_the_pipeline_saves_with_its_save_options(tmp_path, async_save):
         assert_same(state, back) and result.tier == 0
     finally:
         p.close()
-    assert len(raydcp.read_metadata(tmp_path / "slow" / "step-1").files) == len(md.files)
+    slow_md = raydcp.read_metadata(tmp_path / "slow" / "step-1")
+    assert len(slow_md.files) == len(md.files) and slow_md.compressions == md.compressions
 
 
 def test_the_pipeline_refuses_options_of_the_wrong_kind(tmp_path):

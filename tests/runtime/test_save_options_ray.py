@@ -1,5 +1,6 @@
 """SaveOptions through the Ray paths: a Ray group's async_save (the persister actor beside each
-rank plans and writes with them) and ShardGroup.save (every actor's save)."""
+rank plans, compresses and writes with them), ShardGroup.save (every actor's save) and a
+ShardGroup's N -> M load of a compressed checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,10 @@ class Rank:
 
 def test_a_ray_groups_async_save_writes_with_the_save_options(ray_session, tmp_path):
     ranks = [Rank.remote("save-options-g", r, 2) for r in range(2)]
-    files = ray.get([r.async_save.remote(str(tmp_path / "ck"), SaveOptions(max_file_bytes=20 * KIB)) for r in ranks])
+    options = SaveOptions(max_file_bytes=20 * KIB, compression="zstd")
+    files = ray.get([r.async_save.remote(str(tmp_path / "ck"), options) for r in ranks])
     assert len(files[0]) == 8  # every 16 KiB piece in a file of its own (one file per piece without the cap: 2)
+    assert raydcp.read_metadata(tmp_path / "ck").compressions == {"zstd": 8}
     out = {f"w{k}": torch.zeros(128, 64) for k in range(4)}
     raydcp.load(out, tmp_path / "ck")
     for k in range(4):
@@ -48,12 +51,18 @@ def test_shard_group_save_writes_with_the_save_options(ray_session, tmp_path):
     try:
         g.load(str(tmp_path / "src"))
         assert len(g.save(str(tmp_path / "plain")).files) == 2
-        md = g.save(str(tmp_path / "capped"), options=SaveOptions(max_file_bytes=20 * KIB))
-        assert len(md.files) == 8
+        md = g.save(str(tmp_path / "capped"), options=SaveOptions(max_file_bytes=20 * KIB, compression="lz4"))
+        assert len(md.files) == 8 and md.compressions == {"lz4": 8}
         with pytest.raises(raydcp.CheckpointError, match="options must be a raydcp.SaveOptions"):
             g.save(str(tmp_path / "bad"), options={"max_file_bytes": 1})
     finally:
         g.shutdown()
+    three = raydcp.ShardGroup(3, num_gpus_per_actor=0.05, timeout_s=60)  # 2 -> 3 through the compressed pieces
+    try:
+        held = three.load(str(tmp_path / "capped")).full_state_dict()
+        assert all(torch.equal(held[k], v) for k, v in full.items())
+    finally:
+        three.shutdown()
     out = {k: torch.zeros_like(v) for k, v in full.items()}
     raydcp.load(out, tmp_path / "capped")
     assert all(torch.equal(out[k], v) for k, v in full.items())
