@@ -117,22 +117,22 @@ def test_small_packed_pieces_are_compressed_one_by_one(tmp_path, codec):
 @pytest.mark.parametrize("codec", CODECS)
 def test_n_to_m_load_of_a_compressed_checkpoint(tmp_path, codec):
     g = torch.Generator().manual_seed(1)
-    full = torch.randint(0, 16, (96, 3000), dtype=torch.int32, generator=g)
+    full = torch.randint(0, 16, (96, 12000), dtype=torch.int32, generator=g)  # 1.5 MB pieces: joint-read size
     ck = str(tmp_path / "ck")
     options = SaveOptions(compression=codec, max_file_bytes=400_000)
 
     def save(tp):
         n = 96 // 3
         return save_with(tp, {"w": raydcp.Shard(full[tp.rank * n:(tp.rank + 1) * n].clone(), (tp.rank * n, 0),
-                                                (96, 3000)), "step": 3}, ck, None, options)
+                                                (96, 12000)), "step": 3}, ck, None, options)
 
     results, errors = run_ranks(3, save)
     assert errors == [None] * 3 and results[0].compressions == {codec: 3}
 
     def load(tp, m):
         n = 96 // m
-        t = torch.zeros(n, 3000, dtype=torch.int32)
-        sd = {"w": raydcp.Shard(t, (tp.rank * n, 0), (96, 3000)), "step": None}
+        t = torch.zeros(n, 12000, dtype=torch.int32)
+        sd = {"w": raydcp.Shard(t, (tp.rank * n, 0), (96, 12000)), "step": None}
         stats = load_with(tp, sd, ck)
         return torch.equal(t, full[tp.rank * n:(tp.rank + 1) * n]) and sd["step"] == 3, stats.bytes_read
 
