@@ -122,7 +122,7 @@ def _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, l
     chunks = len(md2.tensors.columns.nbytes)
     if chunks != ranks * len(md2.tensors):
         raise CheckpointError(f"the committed metadata holds {chunks} chunks, not {ranks * len(md2.tensors)}")
-    got = [p for p, _, _ in plans]
+    got = [p for p, *_ in plans]  # (plan, skipped, group skipped, compressed pieces) per rank
     res["read_amplification"] = sum(p.bytes_read for p in got) / max(1, sum(p.bytes_needed for p in got))
     res["pieces"], res["ranks"], res["load_ranks"] = chunks, ranks, load_ranks
     res["total"] = sum(res[p] for p in PHASES)

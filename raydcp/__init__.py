@@ -1,8 +1,9 @@
 """raydcp: distributed checkpointing of PyTorch training state on Ray.
 
 Public API (docs/architecture.md): save, async_save, load, read_metadata, Shard, Group,
-CheckpointError and its typed subclasses (raydcp.errors), Metadata, ShardGroup,
-and the Ray Train helpers in raydcp.train.
+CheckpointError and its typed subclasses (raydcp.errors), Metadata, ShardGroup, the options
+of a call (SaveOptions, LoadOptions, IOOptions: raydcp.options) and the Ray Train helpers in
+raydcp.train.
 """
 import fsspec as _fsspec
 
@@ -15,13 +16,14 @@ __all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "Che
            "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "ConcurrentSaveError",
            "StateMismatchError",
            "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
-           "Metadata", "ShardGroup", "__version__"]
+           "Metadata", "ShardGroup", "SaveOptions", "LoadOptions", "IOOptions", "__version__"]
 __version__ = "0.1.0"
 
 # The public names load their modules (torch, numpy, pyarrow) on first use, so that
 # `import raydcp.cli` and `raydcp --help` stay fast; `from raydcp import save` works as before.
 _LAZY = {"save": ".api", "async_save": ".api", "load": ".api", "read_metadata": ".api",
-         "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group"}
+         "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group",
+         "SaveOptions": ".options", "LoadOptions": ".options", "IOOptions": ".options"}
 
 _SUBMODULES = frozenset({"api", "options", "train", "engine", "storage", "planner", "codec", "metadata", "metadata_format", "runtime",
                          "transport", "state", "verify", "pipeline", "convert", "reshard", "cli", "lazy"})

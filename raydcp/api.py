@@ -13,8 +13,10 @@ layer picks them, in one function, :func:`resolve_group`:
 
 (:class:`~raydcp.transport.ThreadTransport`, N ranks as threads of one process, is handed to
 the engine's ``*_with`` functions directly, by tests and tools.) The options of a call are read
-here too, once (:class:`~raydcp.options.AsyncOptions`, with the ``RAYDCP_*`` overrides), and
-so is the pipeline's Ray driver (:func:`pipeline_driver`).
+here too, once (:class:`~raydcp.options.AsyncOptions`, with the ``RAYDCP_*`` overrides;
+:class:`~raydcp.options.SaveOptions` and :class:`~raydcp.options.LoadOptions`, the defaults
+where a call gives none) and handed to the engine as parameters, and so is the pipeline's
+Ray driver (:func:`pipeline_driver`).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .engine.save import save_with
 from .errors import CheckpointError
 from .group import Group
 from .metadata import Metadata
-from .options import AsyncOptions
+from .options import DEFAULT_LOAD, DEFAULT_SAVE, AsyncOptions, LoadOptions, SaveOptions
 from .transport import LocalTransport, Transport
 
 __all__ = ["save", "load", "async_save", "read_metadata", "transfer", "resolve_group", "GroupBinding",
@@ -124,26 +126,43 @@ def _gc_paused():
             gc.enable()
 
 
+def _options(options: Any, kind: type, default: Any) -> Any:
+    """A call's ``options=``: the defaults for None, else it must be a ``kind``."""
+    if options is None:
+        return default
+    if not isinstance(options, kind):
+        raise CheckpointError(f"options must be a raydcp.{kind.__name__} (or None), got {type(options).__name__}")
+    return options
+
+
 def save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
-         storage_options: dict | None = None) -> Metadata:
-    """Save ``state_dict`` (this rank's part of it) as one checkpoint; returns its metadata."""
+         storage_options: dict | None = None, options: SaveOptions | None = None) -> Metadata:
+    """Save ``state_dict`` (this rank's part of it) as one checkpoint; returns its metadata.
+
+    ``options`` (:class:`~raydcp.options.SaveOptions`; every rank passes the same): the data
+    files' size cap and the write path's IOOptions."""
     ckpt = _checkpoint_id(checkpoint_id)
+    options = _options(options, SaveOptions, DEFAULT_SAVE)
     transport = resolve_group(group).open_transport()
     try:
         with _gc_paused():
-            return save_with(transport, state_dict, ckpt, storage_options)
+            return save_with(transport, state_dict, ckpt, storage_options, options)
     finally:
         transport.close()
 
 
 def load(state_dict: dict, checkpoint_id, *, group: Group | None = None, strict: bool = True,
-         storage_options: dict | None = None) -> LoadStats:
-    """Fill the tensors of ``state_dict`` in place (and replace its plain values) from a checkpoint."""
+         storage_options: dict | None = None, options: LoadOptions | None = None) -> LoadStats:
+    """Fill the tensors of ``state_dict`` in place (and replace its plain values) from a checkpoint.
+
+    ``options`` (:class:`~raydcp.options.LoadOptions`): the read path's IOOptions."""
     ckpt = _checkpoint_id(checkpoint_id)
+    options = _options(options, LoadOptions, DEFAULT_LOAD)
     transport = resolve_group(group).open_transport()
     try:
         with _gc_paused():
-            return load_with(transport, state_dict, ckpt, strict=strict, storage_options=storage_options)
+            return load_with(transport, state_dict, ckpt, strict=strict, storage_options=storage_options,
+                             options=options)
     finally:
         transport.close()
 
@@ -158,7 +177,8 @@ def transfer(source_state: dict | None, dest_state: dict | None, *, group: Group
 
 
 def async_save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
-               storage_options: dict | None = None, max_staging_bytes: int | None = None) -> SaveFuture:
+               storage_options: dict | None = None, max_staging_bytes: int | None = None,
+               options: SaveOptions | None = None) -> SaveFuture:
     """Stage ``state_dict`` to host memory, return, and persist it in the background.
 
     Returns once every piece is copied (later in-place updates do not leak in);
@@ -168,16 +188,18 @@ def async_save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
     (default: ``RAYDCP_MAX_STAGING_BYTES`` or unlimited) caps this rank's staging
     memory (give every rank of a group the same cap); above it the state is
     staged and written in pieces, and the call returns when the last piece is
-    staged. Errors, bad options included, surface at ``result()``.
+    staged. ``options`` (:class:`~raydcp.options.SaveOptions`) as for :func:`save`.
+    Errors, bad options included, surface at ``result()``.
     """
     ckpt = _checkpoint_id(checkpoint_id)
     binding = resolve_group(group)
     try:
-        options = AsyncOptions.from_env(max_staging_bytes=max_staging_bytes)
-        persister = binding.persister(options)
+        save_options = _options(options, SaveOptions, DEFAULT_SAVE)
+        async_options = AsyncOptions.from_env(max_staging_bytes=max_staging_bytes)
+        persister = binding.persister(async_options)
     except CheckpointError as exc:
         return failed_save(exc)
-    return start_async_save(persister, state_dict, ckpt, storage_options, options)
+    return start_async_save(persister, state_dict, ckpt, storage_options, async_options, save_options)
 
 
 # -- the pipeline's driver -----------------------------------------------------------------------

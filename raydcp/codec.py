@@ -1,9 +1,11 @@
-"""Tensor <-> bytes, checksums and plain-value encoding.
+"""Tensor <-> bytes, checksums, compression of pieces and plain-value encoding.
 
 Tensors are stored as their raw little-endian element bytes in row-major order
 (``tensor.contiguous().view(torch.uint8)``): no header, no pickle, so any dtype
 torch can view as bytes (bfloat16, float8 kinds, complex, bool) round-trips
-bit-exactly. Plain values are encoded as tagged JSON.
+bit-exactly. A piece may instead be stored compressed (:func:`compress`, one
+self-contained frame per piece, through pyarrow's library codecs: ``zstd``, or
+``lz4`` in the LZ4 frame format). Plain values are encoded as tagged JSON.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
+from .metadata import COMPRESSIONS
 
 __all__ = [
     "DTYPES", "dtype_name", "dtype_from_name", "tensor_bytes", "tensor_from_bytes",
     "checksum", "block_checksums", "checksums", "crc32c_combine", "combine_block_checksums",
+    "COMPRESSIONS", "check_compression", "compress", "decompress",
     "encode_value", "decode_value", "is_plain_value",
 ]
 
@@ -175,6 +179,53 @@ def combine_block_checksums(blocks: Sequence[int], nbytes: int, block: int) -> i
     for b in blocks[1:-1]:
         crc = _multmodp(op, crc) ^ b
     return crc if len(blocks) == 1 else crc32c_combine(crc, blocks[-1], last)
+
+
+# ---- compression of pieces (the codecs: raydcp.metadata.COMPRESSIONS) --------------------------
+@functools.lru_cache(maxsize=None)
+def _codec(name: str):
+    import pyarrow as pa  # here, not at import: `raydcp --help` and uncompressed paths do not need it
+
+    return pa.Codec(name)
+
+
+def check_compression(name: Any) -> None:
+    """Raise CheckpointError unless ``name`` is None or a codec this raydcp can write and read."""
+    if name is None:
+        return
+    if name not in COMPRESSIONS:
+        raise CheckpointError(f"compression {name!r} is not one of {', '.join(map(repr, COMPRESSIONS))} (or None)")
+    import pyarrow as pa
+
+    if not pa.Codec.is_available(name):
+        raise CheckpointError(f"compression {name!r} is not available in this pyarrow build ({pa.__version__}); "
+                              "choose another codec or None")
+
+
+def compress(name: str, data: Any) -> memoryview:
+    """``data`` (a bytes-like or uint8 tensor) compressed with codec ``name``, as one frame that
+    :func:`decompress` reads back alone. Releases the GIL while it compresses."""
+    if isinstance(data, torch.Tensor):
+        data = data.numpy()
+    return _bytes_of(_codec(name).compress(data))
+
+
+def _bytes_of(buf) -> memoryview:
+    """A flat unsigned-byte view of exactly a pyarrow Buffer's ``size`` bytes (the Buffer's own
+    memoryview may report its capacity as its length)."""
+    return memoryview(np.frombuffer(buf, np.uint8, count=buf.size))
+
+
+def decompress(name: str, data: Any, nbytes: int) -> memoryview:
+    """The ``nbytes`` bytes a frame of codec ``name`` holds. Raises ValueError if ``data`` is not
+    such a frame or does not hold exactly ``nbytes`` bytes (the caller names the piece)."""
+    try:
+        out = _bytes_of(_codec(name).decompress(data, decompressed_size=nbytes))
+    except (OSError, ValueError) as exc:  # pyarrow reports a corrupt frame as an OSError
+        raise ValueError(" ".join(str(exc).split()) or type(exc).__name__) from None
+    if out.nbytes != nbytes:
+        raise ValueError(f"it holds {out.nbytes} bytes")
+    return out
 
 
 # ---- plain values: tagged JSON, never pickle -------------------------------------------------

@@ -12,25 +12,39 @@ import numpy as np
 
 from .lazy import LazyMapping
 
-__all__ = ["FORMAT_VERSION", "BLOCK_BYTES", "ChunkMeta", "ChunkTable", "ChunkColumns", "TensorMeta", "TensorMetas",
-           "Metadata"]
+__all__ = ["FORMAT_VERSION", "COMPRESSED_FORMAT_VERSION", "READ_MAJORS", "BLOCK_BYTES", "COMPRESSIONS", "ChunkMeta",
+           "ChunkTable", "ChunkColumns", "TensorMeta", "TensorMetas", "Metadata"]
 
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 0)              # a checkpoint without compressed pieces (raydcp before compression reads it)
+COMPRESSED_FORMAT_VERSION = (2, 0)   # one with compressed pieces: 1.0 plus each piece's codec and stored length
+READ_MAJORS = (1, 2)                 # the major versions this raydcp reads
+
+# The codecs a piece may be stored with (raydcp.codec.compress). In memory a piece's codec is its
+# 1-based position here, 0 for a raw piece; the metadata file names the codecs (docs/FORMAT.md).
+COMPRESSIONS = ("zstd", "lz4")
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkMeta:
-    """One stored piece of a tensor: the box [offsets, offsets+sizes) at file[byte_offset:+nbytes]."""
+    """One stored piece of a tensor: the box [offsets, offsets+sizes) of ``nbytes`` bytes, stored at
+    file[byte_offset:+stored_length] -- raw, or compressed with codec ``compression``."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str
     byte_offset: int
     nbytes: int
-    checksum: int
-    # CRC32C of each BLOCK_BYTES block of a chunk larger than one block (else empty), so a
+    checksum: int  # CRC32C of the stored bytes (compressed ones where the piece is compressed)
+    # CRC32C of each BLOCK_BYTES block of a raw chunk larger than one block (else empty), so a
     # reader that needs only part of a chunk can verify what it reads
     block_checksums: tuple[int, ...] = ()
+    compression: str | None = None    # a codec of COMPRESSIONS, None: raw
+    stored_nbytes: int | None = None  # the compressed length (None: raw, ``nbytes``)
+
+    @property
+    def stored_length(self) -> int:
+        """The bytes the piece takes in its file."""
+        return self.nbytes if self.stored_nbytes is None else self.stored_nbytes
 
 
 BLOCK_BYTES = 1 << 20
@@ -40,19 +54,22 @@ class ChunkTable(Sequence):
     """The chunks of one tensor as columns: a read-only sequence of :class:`ChunkMeta`.
 
     ``offsets`` and ``sizes`` are (n, ndim) int64 arrays, ``file`` indexes ``files``,
-    ``block_values[block_bounds[i]:block_bounds[i + 1]]`` are chunk i's block checksums.
+    ``block_values[block_bounds[i]:block_bounds[i + 1]]`` are chunk i's block checksums;
+    ``codec`` (uint8: 0 raw, else the 1-based position in :data:`COMPRESSIONS`) and ``stored``
+    (int64: the length in the file) are None where every chunk is raw.
     Decoded metadata holds its chunks this way (views of the Arrow columns); a
     :class:`ChunkMeta` is built only for the chunks a caller indexes or iterates.
     """
 
     __slots__ = ("offsets", "sizes", "files", "file", "byte_offset", "nbytes", "checksum",
-                 "block_values", "block_bounds", "_objs", "origin")
+                 "block_values", "block_bounds", "_objs", "origin", "codec", "stored")
 
     def __init__(self, offsets, sizes, files, file, byte_offset, nbytes, checksum, block_values, block_bounds,
-                 origin=None):
+                 origin=None, codec=None, stored=None):
         self.offsets, self.sizes, self.files, self.file = offsets, sizes, files, file
         self.byte_offset, self.nbytes, self.checksum = byte_offset, nbytes, checksum
         self.block_values, self.block_bounds = block_values, block_bounds
+        self.codec, self.stored = codec, stored
         self._objs = None
         # (ChunkColumns, tensor index) when this table is one tensor's rows of a ChunkColumns:
         # the encoder then takes the shared columns instead of concatenating the tables
@@ -69,11 +86,16 @@ class ChunkTable(Sequence):
         blocks = [b for c in chunks for b in c.block_checksums]
         bounds = np.zeros(n + 1, np.int64)
         np.cumsum([len(c.block_checksums) for c in chunks], out=bounds[1:])
+        codec = stored = None
+        if any(c.compression is not None for c in chunks):
+            codec = np.array([codec_id(c.compression) for c in chunks], np.uint8)
+            stored = np.array([c.stored_length for c in chunks], np.int64)
         t = cls(np.array([c.offsets for c in chunks], np.int64).reshape(n, ndim),
                 np.array([c.sizes for c in chunks], np.int64).reshape(n, ndim),
                 None, np.array([files.setdefault(c.file, len(files)) for c in chunks], np.int64),
                 np.array([c.byte_offset for c in chunks], np.int64), np.array([c.nbytes for c in chunks], np.int64),
-                np.array([c.checksum for c in chunks], np.int64), np.array(blocks, np.uint32), bounds)
+                np.array([c.checksum for c in chunks], np.int64), np.array(blocks, np.uint32), bounds,
+                codec=codec, stored=stored)
         t.files = list(files)
         t._objs = tuple(chunks)
         return t
@@ -87,11 +109,15 @@ class ChunkTable(Sequence):
             bb = self.block_bounds.tolist()
             bv = self.block_values[bb[0]:bb[-1]].tolist() if len(bb) > 1 else []
             base = bb[0] if bb else 0
-            self._objs = tuple(
+            objs = tuple(
                 ChunkMeta(o, s, files[f], b, n, c, tuple(bv[lo - base:hi - base]))
                 for o, s, f, b, n, c, lo, hi in zip(map(tuple, self.offsets.tolist()), map(tuple, self.sizes.tolist()),
                                                    self.file.tolist(), self.byte_offset.tolist(), self.nbytes.tolist(),
                                                    self.checksum.tolist(), bb[:-1], bb[1:]))
+            if self.codec is not None:
+                objs = tuple(_packed(c, k, s) if k else c
+                             for c, k, s in zip(objs, self.codec.tolist(), self.stored.tolist()))
+            self._objs = objs
         return self._objs
 
     def __getitem__(self, i):
@@ -103,9 +129,12 @@ class ChunkTable(Sequence):
         if not 0 <= i < n:
             raise IndexError("chunk index out of range")
         lo, hi = int(self.block_bounds[i]), int(self.block_bounds[i + 1])
-        return ChunkMeta(tuple(self.offsets[i].tolist()), tuple(self.sizes[i].tolist()), self.files[int(self.file[i])],
-                         int(self.byte_offset[i]), int(self.nbytes[i]), int(self.checksum[i]),
-                         tuple(self.block_values[lo:hi].tolist()))
+        c = ChunkMeta(tuple(self.offsets[i].tolist()), tuple(self.sizes[i].tolist()), self.files[int(self.file[i])],
+                      int(self.byte_offset[i]), int(self.nbytes[i]), int(self.checksum[i]),
+                      tuple(self.block_values[lo:hi].tolist()))
+        if self.codec is not None and self.codec[i]:
+            c = _packed(c, int(self.codec[i]), int(self.stored[i]))
+        return c
 
     def __iter__(self):
         return iter(self._all())
@@ -124,7 +153,18 @@ class ChunkTable(Sequence):
     def __reduce__(self):
         lo, hi = int(self.block_bounds[0]), int(self.block_bounds[-1])
         return (ChunkTable, (self.offsets, self.sizes, self.files, self.file, self.byte_offset, self.nbytes,
-                             self.checksum, self.block_values[lo:hi], self.block_bounds - lo))
+                             self.checksum, self.block_values[lo:hi], self.block_bounds - lo, None, self.codec,
+                             self.stored))
+
+
+def codec_id(compression: str | None) -> int:
+    """A piece's codec in memory: 0 for raw, else the 1-based position in :data:`COMPRESSIONS`."""
+    return 0 if compression is None else COMPRESSIONS.index(compression) + 1
+
+
+def _packed(c: ChunkMeta, codec: int, stored: int) -> ChunkMeta:
+    return ChunkMeta(c.offsets, c.sizes, c.file, c.byte_offset, c.nbytes, c.checksum, c.block_checksums,
+                     COMPRESSIONS[codec - 1], stored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,19 +186,27 @@ class ChunkColumns:
 
     ``offsets`` and ``sizes`` are (n, width) int64 arrays; a tensor of ``ndim[t] < width``
     dimensions has its boxes padded with offset 0 and size 1. ``file`` indexes ``files``;
-    ``block_values[block_bounds[i]:block_bounds[i + 1]]`` are row i's block checksums. This is
-    what the commit step builds and the decoder returns: the encoder writes it with array
-    operations in one go, and a :class:`ChunkTable` is made for a tensor only when asked for.
+    ``block_values[block_bounds[i]:block_bounds[i + 1]]`` are row i's block checksums; ``codec``
+    and ``stored`` (None where every row is raw) each row's codec and stored length, as in
+    :class:`ChunkTable`. This is what the commit step builds and the decoder returns: the encoder
+    writes it with array operations in one go, and a :class:`ChunkTable` is made for a tensor
+    only when asked for.
     """
 
     __slots__ = ("rows", "ndim", "offsets", "sizes", "files", "file", "byte_offset", "nbytes", "checksum",
-                 "block_values", "block_bounds")
+                 "block_values", "block_bounds", "codec", "stored")
 
     def __init__(self, rows, ndim, offsets, sizes, files, file, byte_offset, nbytes, checksum, block_values,
-                 block_bounds):
+                 block_bounds, codec=None, stored=None):
         self.rows, self.ndim, self.offsets, self.sizes, self.files = rows, ndim, offsets, sizes, files
         self.file, self.byte_offset, self.nbytes, self.checksum = file, byte_offset, nbytes, checksum
         self.block_values, self.block_bounds = block_values, block_bounds
+        self.codec, self.stored = codec, stored
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any row is stored compressed."""
+        return self.codec is not None and bool(self.codec.any())
 
     def __len__(self) -> int:
         """The number of tensors."""
@@ -170,6 +218,7 @@ class ChunkColumns:
         width = self.offsets.shape[1]
         off, size, files, file, boff = self.offsets, self.sizes, self.files, self.file, self.byte_offset
         nbytes, crc, bv, bb = self.nbytes, self.checksum, self.block_values, self.block_bounds
+        codec, stored = (self.codec, self.stored) if self.compressed else (None, None)
         out = []
         for t, nd in enumerate(nds):
             a, b = rows[t], rows[t + 1]
@@ -177,7 +226,8 @@ class ChunkColumns:
                 o, s = off[a:b], size[a:b]
             else:
                 o, s = off[a:b, :nd], size[a:b, :nd]
-            out.append(ChunkTable(o, s, files, file[a:b], boff[a:b], nbytes[a:b], crc[a:b], bv, bb[a:b + 1], (self, t)))
+            out.append(ChunkTable(o, s, files, file[a:b], boff[a:b], nbytes[a:b], crc[a:b], bv, bb[a:b + 1], (self, t),
+                                  None if codec is None else codec[a:b], None if stored is None else stored[a:b]))
         return out
 
     def take(self, ids: np.ndarray) -> "ChunkColumns":
@@ -193,9 +243,10 @@ class ChunkColumns:
         bounds = np.zeros(len(sel) + 1, np.int64)
         np.cumsum(blen, out=bounds[1:])
         bsel = np.repeat(self.block_bounds[:-1][sel] - bounds[:-1], blen) + np.arange(int(bounds[-1]))
+        packed = self.compressed
         return ChunkColumns(rows, self.ndim[ids], self.offsets[sel], self.sizes[sel], self.files, self.file[sel],
                             self.byte_offset[sel], self.nbytes[sel], self.checksum[sel], self.block_values[bsel],
-                            bounds)
+                            bounds, self.codec[sel] if packed else None, self.stored[sel] if packed else None)
 
     @classmethod
     def concat(cls, tables: Sequence[ChunkTable], ndims: Sequence[int]) -> "ChunkColumns":
@@ -239,9 +290,15 @@ class ChunkColumns:
         bounds = np.zeros(n + 1, np.int64)
         if block_lengths:
             np.cumsum(np.concatenate(block_lengths), out=bounds[1:])
+        nbytes = cat([ct.nbytes for _, ct in used], np.int64)
+        codec = stored = None
+        if any(getattr(ct, "codec", None) is not None for _, ct in used):  # raw tables' rows: codec 0, stored nbytes
+            codec = cat([np.zeros(len(ct), np.uint8) if ct.codec is None else ct.codec for _, ct in used], np.uint8)
+            stored = cat([np.asarray(ct.nbytes, np.int64) if ct.stored is None else ct.stored for _, ct in used],
+                         np.int64)
         return cls(rows, ndim, off, size, list(files), cat(file_parts, np.int64),
-                   cat([ct.byte_offset for _, ct in used], np.int64), cat([ct.nbytes for _, ct in used], np.int64),
-                   cat([ct.checksum for _, ct in used], np.int64), cat(block_parts, np.uint32), bounds)
+                   cat([ct.byte_offset for _, ct in used], np.int64), nbytes,
+                   cat([ct.checksum for _, ct in used], np.int64), cat(block_parts, np.uint32), bounds, codec, stored)
 
 
 class TensorMetas(LazyMapping):
@@ -291,6 +348,11 @@ class Metadata:
     version: tuple[int, int] = FORMAT_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # the version it is (or will be) written as: 2.0 where a piece is compressed
+        if self.version == FORMAT_VERSION and isinstance(self.tensors, TensorMetas) and self.tensors.columns.compressed:
+            object.__setattr__(self, "version", COMPRESSED_FORMAT_VERSION)
+
     @property
     def total_bytes(self) -> int:
         if isinstance(self.tensors, TensorMetas):
@@ -298,13 +360,36 @@ class Metadata:
         return sum(t.nbytes for t in self.tensors.values())
 
     @property
+    def stored_bytes(self) -> int:
+        """The bytes the pieces take in their files (``total_bytes`` less what compression saved)."""
+        return sum(self.files.values())
+
+    @property
+    def compressions(self) -> dict[str, int]:
+        """Codec -> the number of pieces stored with it (empty for a checkpoint of raw pieces)."""
+        out: dict[str, int] = {}
+        if isinstance(self.tensors, TensorMetas):
+            codec = self.tensors.columns.codec
+            if codec is not None:
+                for k, n in enumerate(np.bincount(codec, minlength=len(COMPRESSIONS) + 1).tolist()[1:]):
+                    if n:
+                        out[COMPRESSIONS[k]] = n
+            return out
+        for t in self.tensors.values():
+            for c in t.chunks:
+                if c.compression is not None:
+                    out[c.compression] = out.get(c.compression, 0) + 1
+        return out
+
+    @property
     def files(self) -> dict[str, int]:
-        """Data file name -> bytes of tensor data it holds."""
+        """Data file name -> bytes of (stored) tensor data it holds."""
         out: dict[str, int] = {}
         if isinstance(self.tensors, TensorMetas):
             cols = self.tensors.columns
             if len(cols.file):
-                sums = np.bincount(cols.file, weights=cols.nbytes, minlength=len(cols.files))
+                length = cols.nbytes if cols.stored is None else cols.stored
+                sums = np.bincount(cols.file, weights=length, minlength=len(cols.files))
                 for f in _first_use(cols.file).tolist():
                     out[cols.files[f]] = int(sums[f])
             return out
@@ -313,13 +398,14 @@ class Metadata:
                 ct = t.chunks
                 if len(ct):
                     used = np.unique(ct.file)
-                    sums = np.bincount(ct.file, weights=ct.nbytes, minlength=int(used[-1]) + 1)
+                    length = ct.nbytes if ct.stored is None else ct.stored
+                    sums = np.bincount(ct.file, weights=length, minlength=int(used[-1]) + 1)
                     for f in used.tolist():
                         name = ct.files[f]
                         out[name] = out.get(name, 0) + int(sums[f])
                 continue
             for c in t.chunks:
-                out[c.file] = out.get(c.file, 0) + c.nbytes
+                out[c.file] = out.get(c.file, 0) + c.stored_length
         return out
 
     def keys(self) -> list[str]:

@@ -9,6 +9,10 @@ On storage (docs/FORMAT.md is the spec) the metadata file ``raydcp.meta`` is::
     crc     u32 LE   CRC32C of the payload
     payload          an Arrow IPC stream: one record batch, one row per stored chunk,
                      with the JSON header in the schema metadata under b"raydcp"
+
+Version 1.0 when every chunk is stored raw (so a raydcp that reads only 1.x reads it); 2.0,
+1.0 plus the columns ``codec`` and ``stored_nbytes`` and the header's ``codecs``, when some
+chunk is compressed (a 1.x reader refuses it, saying to upgrade).
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ import pyarrow as pa
 
 from .codec import checksum, decode_value, encode_value, itemsize
 from .errors import CheckpointDamagedError, CheckpointError
-from .metadata import (BLOCK_BYTES, FORMAT_VERSION, ChunkColumns, ChunkMeta, ChunkTable, Metadata, TensorMeta,
-                       TensorMetas, _first_use)
+from .metadata import (BLOCK_BYTES, COMPRESSED_FORMAT_VERSION, COMPRESSIONS, FORMAT_VERSION, READ_MAJORS,
+                       ChunkColumns, ChunkMeta, ChunkTable, Metadata, TensorMeta, TensorMetas, _first_use, codec_id)
 
 MAGIC = b"RAYDCPM\n"
 _INT64_MAX = (1 << 63) - 1
@@ -39,6 +43,12 @@ _SCHEMA_FIELDS = [
     pa.field("checksum", pa.uint32()),
     pa.field("block_checksums", pa.list_(pa.uint32())),
 ]
+# version 2: each chunk's codec (0: raw, i: the header's codecs[i - 1]) and its length in the file
+_COMPRESSION_FIELDS = [pa.field("codec", pa.uint8()), pa.field("stored_nbytes", pa.int64())]
+
+
+class _Unsupported(CheckpointError):
+    """Metadata this raydcp cannot read, though not damaged (a newer writer's): reported as is."""
 
 
 def encode_metadata(md: Metadata) -> bytes:
@@ -106,6 +116,13 @@ def _encode_columns(md: Metadata, names: list[str], dtypes: list[str], shapes: l
     index[used] = np.arange(len(used), dtype=np.int32)
     files = [cols.files[f] for f in used.tolist()]
     header = _header(md, names, files, (dtypes, shapes))
+    extra = []
+    if n and cols.compressed:  # version 2: the codecs used, named in the header, and each chunk's
+        used_codecs = sorted(set(np.unique(cols.codec).tolist()) - {0})
+        position = np.zeros(len(COMPRESSIONS) + 1, np.uint8)
+        position[used_codecs] = np.arange(1, len(used_codecs) + 1)
+        header["codecs"] = [COMPRESSIONS[c - 1] for c in used_codecs]
+        extra = [pa.array(position[cols.codec]), pa.array(np.asarray(cols.stored, np.int64))]
     offsets32, blocks32 = pa.array(box_bounds.astype(np.int32)), pa.array(block_bounds.astype(np.int32))
     arrays = [
         pa.array(np.repeat(np.arange(k, dtype=np.int32), counts)),
@@ -117,13 +134,15 @@ def _encode_columns(md: Metadata, names: list[str], dtypes: list[str], shapes: l
         pa.array(crcs.astype(np.uint32)),
         pa.ListArray.from_arrays(blocks32, pa.array(np.asarray(cols.block_values[lo:hi], np.uint32))),
     ]
-    return _envelope(arrays, header)
+    return _envelope(arrays + extra, header)
 
 
 def _encode_rows(md: Metadata) -> bytes:
     names = list(md.tensors)
     files: dict[str, int] = {}
-    cols: dict[str, list] = {f.name: [] for f in _SCHEMA_FIELDS}
+    codecs: dict[str, int] = {}
+    fields = _SCHEMA_FIELDS + _COMPRESSION_FIELDS
+    cols: dict[str, list] = {f.name: [] for f in fields}
     for ti, name in enumerate(names):
         for c in md.tensors[name].chunks:
             cols["tensor"].append(ti)
@@ -134,8 +153,14 @@ def _encode_rows(md: Metadata) -> bytes:
             cols["nbytes"].append(c.nbytes)
             cols["checksum"].append(c.checksum)
             cols["block_checksums"].append(c.block_checksums)
+            cols["codec"].append(0 if c.compression is None else codecs.setdefault(c.compression, len(codecs) + 1))
+            cols["stored_nbytes"].append(c.stored_length)
     header = _header(md, names, list(files))
-    return _envelope([pa.array(cols[f.name], type=f.type) for f in _SCHEMA_FIELDS], header)
+    if codecs:
+        header["codecs"] = list(codecs)
+    else:
+        fields = _SCHEMA_FIELDS
+    return _envelope([pa.array(cols[f.name], type=f.type) for f in fields], header)
 
 
 def _header(md: Metadata, names: list[str], files: list[str], specs: tuple[list, list] | None = None) -> dict:
@@ -155,14 +180,17 @@ def _header(md: Metadata, names: list[str], files: list[str], specs: tuple[list,
 
 
 def _envelope(arrays: list, header: dict) -> bytes:
-    schema = pa.schema(_SCHEMA_FIELDS, metadata={b"raydcp": json.dumps(header, separators=(",", ":"))})
+    compressed = len(arrays) > len(_SCHEMA_FIELDS)
+    fields = _SCHEMA_FIELDS + _COMPRESSION_FIELDS if compressed else _SCHEMA_FIELDS
+    version = COMPRESSED_FORMAT_VERSION if compressed else FORMAT_VERSION
+    schema = pa.schema(fields, metadata={b"raydcp": json.dumps(header, separators=(",", ":"))})
     batch = pa.record_batch(arrays, schema=schema)
     sink = pa.BufferOutputStream()
     opts = pa.ipc.IpcWriteOptions(compression="zstd") if pa.Codec.is_available("zstd") else None
     with pa.ipc.new_stream(sink, schema, options=opts) as w:
         w.write_batch(batch)
     payload = sink.getvalue().to_pybytes()
-    return _PREAMBLE.pack(MAGIC, *FORMAT_VERSION, len(payload), checksum(payload)) + payload
+    return _PREAMBLE.pack(MAGIC, *version, len(payload), checksum(payload)) + payload
 
 
 def decode_metadata(data: bytes, source: str = "metadata") -> Metadata:
@@ -172,10 +200,10 @@ def decode_metadata(data: bytes, source: str = "metadata") -> Metadata:
     magic, major, minor, length, crc = _PREAMBLE.unpack_from(data)
     if magic != MAGIC:
         raise CheckpointDamagedError(f"{source}: not raydcp metadata (bad magic); is this a raydcp checkpoint?", file=source)
-    if major != FORMAT_VERSION[0]:
+    if major not in READ_MAJORS:
         raise CheckpointError(
-            f"{source}: format version {major}.{minor} is not supported by this raydcp (reads {FORMAT_VERSION[0]}.x); "
-            f"upgrade raydcp to read it"
+            f"{source}: format version {major}.{minor} is not supported by this raydcp (reads "
+            f"{' and '.join(f'{m}.x' for m in READ_MAJORS)}); upgrade raydcp to read it"
         )
     payload = memoryview(data)[_PREAMBLE.size:]
     if len(payload) != length:
@@ -184,19 +212,22 @@ def decode_metadata(data: bytes, source: str = "metadata") -> Metadata:
     if checksum(payload) != crc:
         raise CheckpointDamagedError(f"{source}: checksum mismatch; the metadata file is damaged", file=source)
     try:
-        md = _decode_payload(payload)
+        md = _decode_payload(payload, major)
         return Metadata(**{**md.__dict__, "version": (major, minor)})
+    except _Unsupported as exc:
+        raise CheckpointError(f"{source}: {exc}") from None
     except CheckpointError as exc:
         raise CheckpointDamagedError(f"{source}: {exc}", file=source) from None
     except Exception as exc:  # a well-formed envelope around a malformed table
         raise CheckpointDamagedError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})", file=source) from None
 
 
-def _decode_payload(payload: memoryview) -> Metadata:
+def _decode_payload(payload: memoryview, major: int = FORMAT_VERSION[0]) -> Metadata:
     reader = pa.ipc.open_stream(pa.py_buffer(payload))
     batches = list(reader)
     schema = reader.schema
-    if [f.name for f in schema] != [f.name for f in _SCHEMA_FIELDS]:
+    fields = _SCHEMA_FIELDS + (_COMPRESSION_FIELDS if major >= COMPRESSED_FORMAT_VERSION[0] else [])
+    if [f.name for f in schema] != [f.name for f in fields]:
         raise CheckpointError("unexpected chunk table columns")
     table = pa.Table.from_batches(batches, schema=schema)
     table.validate(full=True)
@@ -210,7 +241,15 @@ def _decode_payload(payload: memoryview) -> Metadata:
         raise CheckpointError("a tensor is listed twice in the header")
     _check_shapes(specs)
     files = [str(f) for f in header["files"]]
-    tensors = _decode_chunks(table, specs, files)
+    codecs = None
+    if len(fields) > len(_SCHEMA_FIELDS):  # header position -> this raydcp's codec id (0: raw)
+        names = [str(c) for c in header.get("codecs", [])]
+        unknown = [c for c in names if c not in COMPRESSIONS]
+        if unknown:
+            raise _Unsupported(f"pieces are compressed with {', '.join(map(repr, unknown))}, which this raydcp "
+                               f"does not know (it reads {', '.join(COMPRESSIONS)}); upgrade raydcp to read it")
+        codecs = np.array([0] + [codec_id(c) for c in names], np.uint8)
+    tensors = _decode_chunks(table, specs, files, codecs)
     return Metadata(
         save_id=str(header["save_id"]),
         world_size=int(header["world_size"]),
@@ -274,15 +313,17 @@ def _list(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
     return values[bounds[0]:bounds[-1]] if len(bounds) else values[:0], bounds - (bounds[0] if len(bounds) else 0)
 
 
-def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[str, TensorMeta]:
+def _decode_chunks(table: pa.Table, specs: list, files: list[str], codecs: np.ndarray | None = None
+                   ) -> Mapping[str, TensorMeta]:
     """Validate every chunk against its tensor with array operations and return the tensors as a
-    :class:`TensorMetas` over the decoded columns (no per-chunk or per-tensor objects)."""
+    :class:`TensorMetas` over the decoded columns (no per-chunk or per-tensor objects).
+    ``codecs`` (version 2): the codec id of each position of the header's codecs, 0 first."""
     n, k = table.num_rows, len(specs)
     tcol = _column(table, "tensor", np.int64)
     if n and (tcol.min() < 0 or tcol.max() >= k):
         raise CheckpointError("a chunk names a tensor that is not in the header")
     if n and np.any(tcol[1:] < tcol[:-1]):
-        tensors = _decode_rows(table, specs, files)  # rows not grouped by tensor: the general path
+        tensors = _decode_rows(table, specs, files, codecs)  # rows not grouped by tensor: the general path
         return tensors
     fcol = _column(table, "file", np.int64)
     if n and (fcol.min() < 0 or fcol.max() >= len(files)):
@@ -290,6 +331,12 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
     byte_off = _column(table, "byte_offset", np.int64)
     nbytes = _column(table, "nbytes", np.int64)
     crcs = _column(table, "checksum", np.uint32)
+    codec = stored = None
+    if codecs is not None:
+        position = _column(table, "codec", np.int64)
+        if n and position.max() >= len(codecs):
+            raise CheckpointError("a chunk names a codec that is not in the header")
+        codec, stored = codecs[position], _column(table, "stored_nbytes", np.int64)
     ov, ob = _list(table, "offsets", np.int64)
     sv, sb = _list(table, "sizes", np.int64)
     bv, bb = _list(table, "block_checksums", np.uint32)
@@ -301,7 +348,7 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
     if max(map(max, filter(None, shapes)), default=0) >= 1 << 15 or (k and ndim.max() > 4):
         # element counts might not fit in int64: check them exactly
         if any(_numel(shape) >= 1 << 62 for shape in shapes):
-            return _decode_rows(table, specs, files)
+            return _decode_rows(table, specs, files, codecs)
     shape_flat = np.fromiter(chain.from_iterable(shapes), np.int64, int(ndim.sum()))
     shape_start = np.zeros(k + 1, np.int64)
     np.cumsum(ndim, out=shape_start[1:])
@@ -318,7 +365,7 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
             o, s, e = o2[:, d], s2[:, d], extent[:, d]
             bad |= (o < 0) | (s < 0) | (o > e) | (s > e - o)  # e - o: no int64 overflow, unlike o + s
             numel *= s
-        bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb)
+        bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb, codec)
     elif not bad.any():
         # per element of the flat offsets/sizes: its row, its dimension, the tensor's extent there
         row_of = np.repeat(np.arange(n), nd_row)
@@ -331,15 +378,17 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         padded = np.ones((n, max(dmax, 1)), np.int64)
         padded[row_of, dim_of] = sv
         numel = padded.prod(axis=1)
-        bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb)
+        bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb, codec)
     # the chunk's bytes inside int64 (the product above cannot wrap: a chunk inside its tensor is
     # no larger than the tensor, whose size _check_shapes bounded)
     bad |= (nbytes < 0) | (byte_off > _INT64_MAX - np.maximum(nbytes, 0))
+    if codec is not None:  # a raw chunk's stored length is its length; a compressed one's fits in a file
+        bad |= (stored < 0) | ((codec == 0) & (stored != nbytes)) | (byte_off > _INT64_MAX - np.maximum(stored, 0))
     if bad.any():
         i = int(np.argmax(bad))
         name, dtype, shape = specs[int(tcol[i])]
         _chunk_error(name, dtype, shape, tuple(ov[ob[i]:ob[i + 1]].tolist()), tuple(sv[sb[i]:sb[i + 1]].tolist()),
-                     int(byte_off[i]), int(nbytes[i]))
+                     int(byte_off[i]), int(nbytes[i]), *((int(codec[i]), int(stored[i])) if codec is not None else ()))
 
     rows = np.searchsorted(tcol, np.arange(k + 1))
     if uniform:
@@ -348,19 +397,24 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str]) -> Mapping[st
         width = max(1, int(ndim.max()) if k else 1)
         off2, size2 = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
         off2[row_of, dim_of], size2[row_of, dim_of] = ov, sv
-    cols = ChunkColumns(rows, ndim, off2, size2, files, fcol, byte_off, nbytes, crcs, bv, bb)
+    cols = ChunkColumns(rows, ndim, off2, size2, files, fcol, byte_off, nbytes, crcs, bv, bb, codec, stored)
     return TensorMetas(names, dtypes, shapes, cols)
 
 
-def _blocks_wrong(nbytes: np.ndarray, bb: np.ndarray) -> np.ndarray:
-    """Per chunk: whether it does not list one checksum per BLOCK_BYTES block (none for a chunk of at
-    most one block); ``bb`` bounds each chunk's block checksums, from 0."""
+def _blocks_wrong(nbytes: np.ndarray, bb: np.ndarray, codec: np.ndarray | None = None) -> np.ndarray:
+    """Per chunk: whether it does not list one checksum per BLOCK_BYTES block of a raw chunk larger
+    than one block (none for a smaller or a compressed chunk, which is always read whole); ``bb``
+    bounds each chunk's block checksums, from 0, and ``codec`` (None: all raw) is each chunk's codec."""
+    large = nbytes > BLOCK_BYTES
+    if codec is not None:
+        large &= codec == 0
     if not bb[-1]:  # no block checksums at all (every chunk small, as at a million pieces): one comparison
-        return nbytes > BLOCK_BYTES
-    return np.diff(bb) != np.where(nbytes > BLOCK_BYTES, -(-nbytes // BLOCK_BYTES), 0)
+        return large
+    return np.diff(bb) != np.where(large, -(-nbytes // BLOCK_BYTES), 0)
 
 
-def _decode_rows(table: pa.Table, specs: list, files: list[str]) -> dict[str, TensorMeta]:
+def _decode_rows(table: pa.Table, specs: list, files: list[str], codecs: np.ndarray | None = None
+                 ) -> dict[str, TensorMeta]:
     """The general path: one ChunkMeta per row, rows in any order."""
     tensor_col = table.column("tensor").to_numpy()
     offs = _list_column(table.column("offsets"))
@@ -370,36 +424,55 @@ def _decode_rows(table: pa.Table, specs: list, files: list[str]) -> dict[str, Te
     nbytes = table.column("nbytes").to_numpy()
     crcs = table.column("checksum").to_numpy()
     blocks = _list_column(table.column("block_checksums"))
+    if codecs is not None:
+        positions = table.column("codec").to_numpy()
+        if len(positions) and int(positions.max()) >= len(codecs):
+            raise CheckpointError("a chunk names a codec that is not in the header")
+        codec_col, stored_col = codecs[positions].tolist(), table.column("stored_nbytes").to_numpy().tolist()
     chunks: list[list[ChunkMeta]] = [[] for _ in specs]
     for i in range(table.num_rows):
         ti, fi = int(tensor_col[i]), int(file_col[i])
+        packed: tuple = ()
+        # a compressed chunk, or a raw one that lists another stored length (reported below)
+        if codecs is not None and (codec_col[i] or stored_col[i] != int(nbytes[i])):
+            packed = (COMPRESSIONS[codec_col[i] - 1] if codec_col[i] else None, stored_col[i])
         chunks[ti].append(ChunkMeta(offs[i], sizes[i], files[fi], int(byte_off[i]), int(nbytes[i]), int(crcs[i]),
-                                    blocks[i]))
+                                    blocks[i], *packed))
     tensors = {}
     for (name, dtype, shape), cs in zip(specs, chunks):
         isz = itemsize(dtype)
         for c in cs:
+            packed = c.compression is not None
             if len(c.offsets) != len(shape) or len(c.sizes) != len(shape) or any(
                 o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.sizes, shape)
             ) or c.nbytes != _numel(c.sizes) * isz or c.byte_offset < 0 or c.byte_offset + c.nbytes > _INT64_MAX \
-                    or len(c.block_checksums) != (-(-c.nbytes // BLOCK_BYTES) if c.nbytes > BLOCK_BYTES else 0):
-                _chunk_error(name, dtype, shape, c.offsets, c.sizes, c.byte_offset, c.nbytes)
+                    or c.stored_length < 0 or c.byte_offset + c.stored_length > _INT64_MAX \
+                    or (not packed and c.stored_length != c.nbytes) \
+                    or len(c.block_checksums) != (-(-c.nbytes // BLOCK_BYTES) if c.nbytes > BLOCK_BYTES and not packed
+                                                  else 0):
+                _chunk_error(name, dtype, shape, c.offsets, c.sizes, c.byte_offset, c.nbytes,
+                             codec_id(c.compression), c.stored_length)
         tensors[name] = TensorMeta(dtype, shape, tuple(cs))
     return tensors
 
 
 def _chunk_error(name: str, dtype: str, shape: tuple, offsets: tuple, sizes: tuple, byte_offset: int,
-                 nbytes: int):
+                 nbytes: int, codec: int = 0, stored: int | None = None):
     """Raise the CheckpointError that says what is wrong with one chunk of tensor ``name``."""
     where = f"chunk of {name!r} at {offsets}"
+    stored = nbytes if stored is None else stored
     if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
             o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
         raise CheckpointDamagedError(f"{where} does not fit the tensor's shape {shape}")
     want = _numel(sizes) * itemsize(dtype)
     if nbytes != want:
         raise CheckpointDamagedError(f"{where} records {nbytes} bytes, but its sizes {list(sizes)} of {dtype} take {want}")
-    if byte_offset < 0 or byte_offset + nbytes > _INT64_MAX:
-        raise CheckpointDamagedError(f"{where} has a byte range {byte_offset}+{nbytes} outside any file")
+    if not codec and stored != nbytes:
+        raise CheckpointDamagedError(f"{where} is stored raw but records a stored length of {stored} bytes, not {nbytes}")
+    if byte_offset < 0 or max(nbytes, stored) < 0 or byte_offset + max(nbytes, stored) > _INT64_MAX:
+        raise CheckpointDamagedError(f"{where} has a byte range {byte_offset}+{stored} outside any file")
+    if codec:
+        raise CheckpointDamagedError(f"{where} is compressed but lists block checksums (a compressed chunk has none)")
     raise CheckpointDamagedError(f"{where} does not list one checksum per {BLOCK_BYTES}-byte block")
 
 

@@ -10,9 +10,17 @@ documented overrides, parsed here and nowhere else; an explicit keyword argument
 - ``RAYDCP_PERSIST_NICE``: how far the persisting process lowers its CPU priority
   (:class:`AsyncOptions.persist_nice`; 0 leaves it).
 
-:class:`IOOptions` holds the write and read path's sizes and thread counts (the engine's
-defaults are :data:`DEFAULT_IO`); the save plan's options stay in
-:class:`raydcp.planner.SavePlanOptions`.
+The options of one call, given to the public functions as ``options=`` (every rank of a group
+passes the same):
+
+- :class:`SaveOptions` (``raydcp.save``, ``raydcp.async_save``, ``ShardGroup.save``, the
+  pipeline, ``raydcp reshard``, ``raydcp convert --from``): the largest data file a rank writes,
+  the compression of the pieces and the write path's :class:`IOOptions`;
+- :class:`LoadOptions` (``raydcp.load``): the read path's :class:`IOOptions`.
+
+:class:`IOOptions` holds the write and read path's sizes and thread counts (the defaults,
+:data:`DEFAULT_IO`, suit most storage). The API layer (:mod:`raydcp.api`) reads them once per
+call and the engine passes them down as parameters; nothing below reads a module constant.
 """
 from __future__ import annotations
 
@@ -21,10 +29,11 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from .errors import CheckpointError
-from .metadata import BLOCK_BYTES
+from .metadata import BLOCK_BYTES, COMPRESSIONS
+from .planner.save import ALIGN
 
-__all__ = ["AsyncOptions", "IOOptions", "DEFAULT_IO", "STAGING_ENV", "MAX_STAGING_BYTES_ENV", "PERSIST_NICE_ENV",
-           "STAGING_MODES"]
+__all__ = ["AsyncOptions", "IOOptions", "SaveOptions", "LoadOptions", "DEFAULT_IO", "DEFAULT_SAVE", "DEFAULT_LOAD",
+           "STAGING_ENV", "MAX_STAGING_BYTES_ENV", "PERSIST_NICE_ENV", "STAGING_MODES", "MAX_FILE_BYTES"]
 
 STAGING_ENV = "RAYDCP_STAGING"
 MAX_STAGING_BYTES_ENV = "RAYDCP_MAX_STAGING_BYTES"
@@ -127,3 +136,63 @@ class IOOptions:
 
 
 DEFAULT_IO = IOOptions()
+
+
+MAX_FILE_BYTES = 256 << 20
+"""The default cap on one data file (:attr:`SaveOptions.max_file_bytes`)."""
+
+
+def _check_size(owner: str, name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_io(owner: str, io) -> None:
+    if not isinstance(io, IOOptions):
+        raise CheckpointError(f"{owner}.io must be a raydcp.options.IOOptions, got {type(io).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How a save lays out and writes its data (every rank of a group passes the same).
+
+    ``max_file_bytes``: a rank's pieces are coalesced into data files of up to this many bytes
+    of raw data (a piece larger than that gets a file of its own). ``compression``: None (the
+    pieces' raw bytes), ``"zstd"`` or ``"lz4"``: each piece is compressed on its own with that
+    library codec (pyarrow's), where that makes it smaller, and a load reads a compressed piece
+    whole (docs/FORMAT.md). ``io``: the write path's sizes and threads (:class:`IOOptions`).
+    """
+
+    max_file_bytes: int = MAX_FILE_BYTES
+    compression: str | None = None
+    io: IOOptions = DEFAULT_IO
+
+    def __post_init__(self) -> None:
+        _check_size("SaveOptions", "max_file_bytes", self.max_file_bytes, ALIGN)
+        if self.compression is not None:
+            if self.compression not in COMPRESSIONS:
+                raise CheckpointError(f"SaveOptions.compression must be None or one of "
+                                      f"{', '.join(map(repr, COMPRESSIONS))}, got {self.compression!r}")
+            import pyarrow as pa  # the codecs are pyarrow's; imported only when one is asked for
+
+            if not pa.Codec.is_available(self.compression):
+                raise CheckpointError(f"SaveOptions.compression={self.compression!r} is not available in this "
+                                      f"pyarrow build ({pa.__version__}); choose another codec or None")
+        _check_io("SaveOptions", self.io)
+
+    def replace(self, **changes) -> "SaveOptions":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a load reads: ``io``, the read path's sizes and threads (:class:`IOOptions`)."""
+
+    io: IOOptions = DEFAULT_IO
+
+    def __post_init__(self) -> None:
+        _check_io("LoadOptions", self.io)
+
+
+DEFAULT_SAVE = SaveOptions()
+DEFAULT_LOAD = LoadOptions()

@@ -2,8 +2,10 @@
 
 :func:`verify_checkpoint` reads every stored piece once, streaming file by file in blocks of at
 most ``block_bytes`` (pieces larger than that are read in parts with a running CRC32C), so the
-memory it needs is bounded whatever the checkpoint's size. It never stops at the first problem:
-the :class:`VerifyReport` lists every one, each naming the key, file and byte range involved.
+memory it needs is bounded whatever the checkpoint's size. A compressed piece is read whole,
+its stored bytes checked, then decompressed to check that it holds its recorded length (the
+memory is then bounded by the largest piece). It never stops at the first problem: the
+:class:`VerifyReport` lists every one, each naming the key, file and byte range involved.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Callable
 
 import crc32c as _crc32c
 
-from .codec import checksum
+from .codec import checksum, decompress
 from .errors import CheckpointError
 from .metadata import ChunkMeta, Metadata
 from .metadata_format import decode_metadata
@@ -29,8 +31,9 @@ _BLOCK = 64 << 20  # bytes read per storage call
 class Problem:
     """One thing wrong with a checkpoint.
 
-    ``kind`` is one of ``metadata``, ``tiling``, ``missing-file``, ``truncated``, ``checksum``
-    and ``read-error``; ``byte_range`` is ``(start, end)`` in ``file`` (end exclusive).
+    ``kind`` is one of ``metadata``, ``tiling``, ``missing-file``, ``truncated``, ``checksum``,
+    ``decompress`` (a compressed piece whose stored bytes are intact but do not decompress to its
+    length) and ``read-error``; ``byte_range`` is ``(start, end)`` in ``file`` (end exclusive).
     """
 
     kind: str
@@ -64,7 +67,7 @@ class VerifyReport:
     seconds: float = 0.0
     tensors: int = 0          # in the metadata (as `raydcp inspect` counts them)
     pieces: int = 0           # stored pieces in the metadata, empty ones included
-    total_bytes: int = 0      # bytes of the pieces to check
+    total_bytes: int = 0      # stored bytes of the pieces to check
     progress: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -130,7 +133,8 @@ def verify_checkpoint(checkpoint_id, storage_options: dict | None = None, *,
        reported as a ``metadata`` problem, and nothing else can be checked);
     2. check that each tensor's pieces tile it exactly (no gap, no overlap);
     3. look up every data file once: missing, or shorter than its pieces need;
-    4. read every piece present, in file order, and compare its CRC32C with the metadata.
+    4. read every piece present, in file order, and compare the CRC32C of its stored bytes with
+       the metadata; decompress each compressed piece and check it holds its recorded length.
 
     Raises CheckpointError only when the location itself cannot be opened (bad URL or options).
     ``progress(bytes checked, bytes to check)`` is called as pieces are read.
@@ -158,7 +162,7 @@ def verify_checkpoint(checkpoint_id, storage_options: dict | None = None, *,
                 by_file.setdefault(c.file, []).append((key, c))
     report.tensors = len(md.tensors)
     report.pieces = sum(len(tm.chunks) for tm in md.tensors.values())
-    report.total_bytes = sum(c.nbytes for pieces in by_file.values() for _, c in pieces)
+    report.total_bytes = sum(c.stored_length for pieces in by_file.values() for _, c in pieces)
     report.progress = progress
     if progress:
         progress(0, report.total_bytes)
@@ -186,23 +190,23 @@ def _check_file(storage: CheckpointStorage, name: str, pieces: list[tuple[str, C
     report.files_checked += 1
     present = []
     for key, c in pieces:
-        if c.byte_offset + c.nbytes > size:
+        if c.byte_offset + c.stored_length > size:
             report.problems.append(Problem(
                 "truncated", f"the data file is truncated: it holds {size} bytes, this piece needs up to "
-                f"{c.byte_offset + c.nbytes}", key, name, _range(c)))
+                f"{c.byte_offset + c.stored_length}", key, name, _range(c)))
         else:
             present.append((key, c))
     batch: list[tuple[str, ChunkMeta]] = []
     batch_bytes = 0
     for key, c in present:
-        if c.nbytes > block:
+        if c.stored_length > block and c.compression is None:
             _check_large_piece(storage, name, key, c, report, block)
             continue
-        if batch and batch_bytes + c.nbytes > block:
+        if batch and batch_bytes + c.stored_length > block:
             _check_batch(storage, name, batch, report)
             batch, batch_bytes = [], 0
         batch.append((key, c))
-        batch_bytes += c.nbytes
+        batch_bytes += c.stored_length
     if batch:
         _check_batch(storage, name, batch, report)
 
@@ -216,14 +220,20 @@ def _check_batch(storage: CheckpointStorage, name: str, batch: list[tuple[str, C
             report.problems.append(Problem("read-error", str(exc), key, name, _range(c)))
         return
     for (key, c), view in zip(batch, views):
-        _compare(name, key, c, checksum(view), report)
+        if _compare(name, key, c, checksum(view), report) and c.compression is not None:
+            try:
+                decompress(c.compression, view, c.nbytes)
+            except ValueError as exc:
+                report.problems.append(Problem(
+                    "decompress", f"the {c.compression}-compressed piece at {list(c.offsets)} does not decompress "
+                    f"to its {c.nbytes} bytes ({exc}); the data is damaged", key, name, _range(c)))
 
 
 def _check_large_piece(storage: CheckpointStorage, name: str, key: str, c: ChunkMeta,
                        report: VerifyReport, block: int) -> None:
     crc = 0
-    for start in range(c.byte_offset, c.byte_offset + c.nbytes, block):
-        end = min(start + block, c.byte_offset + c.nbytes)
+    for start in range(c.byte_offset, c.byte_offset + c.stored_length, block):
+        end = min(start + block, c.byte_offset + c.stored_length)
         try:
             (view,) = storage.read_ranges(name, [(start, end)])
         except CheckpointError as exc:
@@ -233,16 +243,19 @@ def _check_large_piece(storage: CheckpointStorage, name: str, key: str, c: Chunk
     _compare(name, key, c, crc, report)
 
 
-def _compare(name: str, key: str, c: ChunkMeta, crc: int, report: VerifyReport) -> None:
+def _compare(name: str, key: str, c: ChunkMeta, crc: int, report: VerifyReport) -> bool:
+    """Count the piece checked; False (and a problem reported) where its checksum does not match."""
     report.pieces_checked += 1
-    report.bytes_checked += c.nbytes
+    report.bytes_checked += c.stored_length
     if report.progress:
         report.progress(report.bytes_checked, report.total_bytes)
     if crc != c.checksum:
         report.problems.append(Problem(
             "checksum", f"checksum mismatch in the piece at {list(c.offsets)} "
             f"(stored {c.checksum:#010x}, read {crc:#010x}); the data is damaged", key, name, _range(c)))
+        return False
+    return True
 
 
 def _range(c: ChunkMeta) -> tuple[int, int]:
-    return (c.byte_offset, c.byte_offset + c.nbytes)
+    return (c.byte_offset, c.byte_offset + c.stored_length)

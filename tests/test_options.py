@@ -1,9 +1,10 @@
-"""AsyncOptions / IOOptions: validated when built; RAYDCP_* overrides parsed once, explicit arguments win."""
+"""AsyncOptions / IOOptions / SaveOptions / LoadOptions: validated when built; RAYDCP_* overrides parsed
+once, explicit arguments win."""
 import pytest
 
 from raydcp import CheckpointError
 from raydcp.engine.protocol import StorageRecord
-from raydcp.options import DEFAULT_IO, AsyncOptions, IOOptions
+from raydcp.options import DEFAULT_IO, DEFAULT_LOAD, DEFAULT_SAVE, AsyncOptions, IOOptions, LoadOptions, SaveOptions
 
 
 def test_env_overrides_apply_and_explicit_arguments_win():
@@ -51,3 +52,26 @@ def test_storage_records_concatenate_and_round_trip_through_rows():
     assert list(both.rows()) == list(a.rows()) + list(b.rows())
     assert StorageRecord.from_rows(list(both.rows())) == both
     assert len(StorageRecord.concat([])) == 0
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    ("save", {"max_file_bytes": 63}, r"SaveOptions.max_file_bytes must be an int >= 64, got 63"),
+    ("save", {"max_file_bytes": 1.5e9}, r"SaveOptions.max_file_bytes must be an int"),
+    ("save", {"max_file_bytes": True}, r"SaveOptions.max_file_bytes must be an int"),
+    ("save", {"io": {"write_threads": 2}}, r"SaveOptions.io must be a raydcp.options.IOOptions, got dict"),
+    ("load", {"io": None}, r"LoadOptions.io must be a raydcp.options.IOOptions, got NoneType"),
+])
+def test_bad_save_and_load_options_name_the_option(kind, change, message):
+    cls = SaveOptions if kind == "save" else LoadOptions
+    with pytest.raises(CheckpointError, match=message):
+        cls(**change)
+
+
+def test_save_and_load_options_default_to_the_engines_defaults_and_are_public():
+    import raydcp
+
+    assert raydcp.SaveOptions is SaveOptions and raydcp.LoadOptions is LoadOptions and raydcp.IOOptions is IOOptions
+    assert SaveOptions() == DEFAULT_SAVE and SaveOptions().io is DEFAULT_IO and LoadOptions() == DEFAULT_LOAD
+    assert SaveOptions(max_file_bytes=1 << 20).replace(max_file_bytes=64).max_file_bytes == 64
+    with pytest.raises(TypeError):
+        SaveOptions(1 << 20)  # keyword-only

@@ -28,8 +28,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch-dcp and torch-save: bytes of tensors loaded at a time (default 1GiB; "
                              "a larger tensor is loaded alone)")
     from ..convert.keys import add_key_arguments
+    from ..reshard.args import add_save_arguments
 
     add_key_arguments(parser)
+    add_save_arguments(parser, "--from: largest data file of the raydcp checkpoint (default 256MiB)")
     parser.add_argument("--overwrite", action="store_true", help="replace what DST already holds")
     parser.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
@@ -39,11 +41,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .. import convert
     from ..convert.keys import key_selection_from_args
+    from ..reshard.args import save_options_from_args
 
     opts = storage_options(args)
     select = key_selection_from_args(args)
     if args.max_shard_size is not None and args.to != "safetensors":
         raise CheckpointError("--max-shard-size applies only to --to safetensors")
+    for flag, value in (("--max-file-bytes", args.max_file_bytes), ("--compression", args.compression)):
+        if args.to is not None and value is not None:
+            raise CheckpointError(f"{flag} applies only to --from (writing a raydcp checkpoint), not --to {args.to}")
+    save_options = save_options_from_args(args)
     budget = convert.parse_size(args.memory_budget)
     fmt = args.to or f"raydcp (from {args.from_})"
     t0 = time.perf_counter()
@@ -53,11 +60,11 @@ def run(args: argparse.Namespace) -> int:
             if not select.identity:
                 raise CheckpointError("--from torch-dcp copies every key as it is: reshard the result to drop, "
                                       "rename or cast keys (`raydcp reshard DST OUT -M 1 --drop-optimizer ...`)")
-            result = convert.from_torch_dcp(args.src, args.dst, **common)
+            result = convert.from_torch_dcp(args.src, args.dst, options=save_options, **common)
         elif args.from_ == "safetensors":
-            result = convert.from_safetensors(args.src, args.dst, select=select, **common)
+            result = convert.from_safetensors(args.src, args.dst, select=select, options=save_options, **common)
         elif args.from_ == "torch-save":
-            result = convert.from_torch_save(args.src, args.dst, select=select, **common)
+            result = convert.from_torch_save(args.src, args.dst, select=select, options=save_options, **common)
         elif args.to == "torch-dcp":
             result = convert.to_torch_dcp(args.src, args.dst, budget_bytes=budget, select=select, **common)
         elif args.to == "safetensors":

@@ -32,6 +32,8 @@ def describe(path: str, md) -> dict[str, Any]:
         "world_size": md.world_size,
         "created_at": md.created_at,
         "total_bytes": md.total_bytes,
+        "stored_bytes": md.stored_bytes,
+        "compressions": md.compressions,
         "files": md.files,
         "tensors": {
             key: {"shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.chunks), "bytes": t.nbytes,
@@ -75,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     pieces = sum(len(t.chunks) for t in md.tensors.values())
     out.print(f"{len(md.tensors)} tensors in {pieces} pieces, {human_bytes(md.total_bytes)} ({md.total_bytes} bytes) "
               f"in {len(md.files)} data files; {len(md.values)} plain values")
+    if md.compressions:
+        stored = md.stored_bytes
+        codecs = ", ".join(f"{n} pieces {name}" for name, n in sorted(md.compressions.items()))
+        out.print(f"compressed: {codecs}; stored in {human_bytes(stored)} ({stored} bytes, "
+                  f"{stored / max(md.total_bytes, 1):.1%} of the raw bytes)")
 
     table = Table(title="Tensors", title_justify="left", show_footer=bool(md.tensors))
     table.add_column("key", overflow="fold", footer=f"total ({len(md.tensors)} tensors)")

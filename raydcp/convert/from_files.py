@@ -25,6 +25,7 @@ import torch
 from ..codec import decode_value, dtype_from_name
 from ..engine import save
 from ..errors import CheckpointError
+from ..options import SaveOptions
 from ._io import ConvertResult, Destination, Progress
 from .files import INDEX_NAME, VALUES_KEY
 from .keys import KeySelection
@@ -119,8 +120,9 @@ def _apply(flat: dict[str, Any], select: KeySelection) -> tuple[dict[str, Any], 
 
 
 def from_safetensors(src, dst, *, storage_options: dict | None = None, overwrite: bool = False,
-                     progress: Progress | None = None, select: KeySelection | None = None) -> ConvertResult:
-    """Save the safetensors file or folder ``src`` as a raydcp checkpoint at ``dst``."""
+                     progress: Progress | None = None, select: KeySelection | None = None,
+                     options: SaveOptions | None = None) -> ConvertResult:
+    """Save the safetensors file or folder ``src`` as a raydcp checkpoint at ``dst`` (with ``options``)."""
     source = Destination(src, storage_options)
     shards = _shards(source)
     Destination(dst, storage_options).check_free(directory=True, overwrite=overwrite)
@@ -148,12 +150,13 @@ def from_safetensors(src, dst, *, storage_options: dict | None = None, overwrite
             progress(done, total)
     values = {k: v for k, v in values.items() if k not in flat}
     state, dropped = _apply({**flat, **values}, select or KeySelection())
-    return _save(source.url, dst, state, storage_options, dropped)
+    return _save(source.url, dst, state, storage_options, dropped, options)
 
 
 def from_torch_save(src, dst, *, storage_options: dict | None = None, overwrite: bool = False,
-                    progress: Progress | None = None, select: KeySelection | None = None) -> ConvertResult:
-    """Save the dict in the ``torch.save`` file ``src`` as a raydcp checkpoint at ``dst``."""
+                    progress: Progress | None = None, select: KeySelection | None = None,
+                    options: SaveOptions | None = None) -> ConvertResult:
+    """Save the dict in the ``torch.save`` file ``src`` as a raydcp checkpoint at ``dst`` (with ``options``)."""
     source = Destination(src, storage_options)
     with source.guard("read"):
         if not source.fs.isfile(source.path):
@@ -171,7 +174,7 @@ def from_torch_save(src, dst, *, storage_options: dict | None = None, overwrite:
         progress(len(data), len(data))
     flat = _flatten(obj)
     state, dropped = _apply(flat, select or KeySelection())
-    return _save(source.url, dst, state, storage_options, dropped)
+    return _save(source.url, dst, state, storage_options, dropped, options)
 
 
 def _flatten(obj: dict, prefix: str = "") -> dict[str, Any]:
@@ -186,7 +189,8 @@ def _flatten(obj: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _save(src_url: str, dst, state: dict[str, Any], storage_options: dict | None, dropped: int) -> ConvertResult:
-    written = save(state, dst, storage_options=storage_options)
+def _save(src_url: str, dst, state: dict[str, Any], storage_options: dict | None, dropped: int,
+          options: SaveOptions | None = None) -> ConvertResult:
+    written = save(state, dst, storage_options=storage_options, options=options)
     return ConvertResult(src_url, str(dst), "raydcp", len(written.tensors), len(written.values), written.total_bytes,
                          sorted(written.files), dropped=dropped)

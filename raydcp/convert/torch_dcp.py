@@ -30,6 +30,7 @@ import torch
 from ..codec import dtype_from_name, dtype_name, is_plain_value
 from ..engine import load, save
 from ..errors import CheckpointError
+from ..options import SaveOptions
 from ..planner.tiling import piece_problems
 from ..storage import CheckpointStorage
 from ._io import DEFAULT_BUDGET, ConvertResult, Destination, Progress, TensorSource
@@ -200,8 +201,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def from_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: bool = False,
-                   progress: Progress | None = None) -> ConvertResult:
-    """Save the torch DCP checkpoint ``src`` as a raydcp checkpoint at ``dst``."""
+                   progress: Progress | None = None, options: SaveOptions | None = None) -> ConvertResult:
+    """Save the torch DCP checkpoint ``src`` as a raydcp checkpoint at ``dst`` (with ``options``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     storage = CheckpointStorage(src, storage_options)
@@ -232,7 +233,7 @@ def from_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: 
                 result.values += 1
             else:
                 result.skipped[fqn] = why
-    written = save(_nest(flat, md.planner_data), dst, storage_options=storage_options)
+    written = save(_nest(flat, md.planner_data), dst, storage_options=storage_options, options=options)
     result.nbytes = written.total_bytes
     result.files = sorted(written.files)
     return result

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointError, RankFailure, as_checkpoint_error
 from ..metadata import Metadata
-from ..options import AsyncOptions
+from ..options import DEFAULT_SAVE, AsyncOptions, SaveOptions
 from ..planner import LocalSavePlan
 from ..state import flatten_state
 from ..storage import CheckpointStorage
@@ -37,10 +37,11 @@ class Future(Protocol):
 class AsyncPersister(Protocol):
     """Where one rank's asynchronous saves are written. Protocol, for each save, from the caller:
 
-    1. ``begin(plan, checkpoint_id, storage_options, options)``: hand over the rank's local plan
-       (or its :class:`~raydcp.errors.RankFailure`); the persister runs the plan step. The
-       future gives the plan items of each batch of this rank's files (one batch without
-       ``options.max_staging_bytes``; the caller then does not wait for it, unless the
+    1. ``begin(plan, checkpoint_id, storage_options, options, save_options)``: hand over the
+       rank's local plan (or its :class:`~raydcp.errors.RankFailure`) and the save's
+       :class:`~raydcp.options.SaveOptions`; the persister runs the plan step and writes with
+       them. The future gives the plan items of each batch of this rank's files (one batch
+       without ``options.max_staging_bytes``; the caller then does not wait for it, unless the
        destination reserves room at the plan step, :mod:`raydcp.storage.capacity`).
     2. ``write(index, staged, items)``, once per batch, in order: stage the pieces ``items`` now
        (the only part the caller waits for; later in-place updates do not leak in) and have the
@@ -54,7 +55,7 @@ class AsyncPersister(Protocol):
     world_size: int
 
     def begin(self, plan: LocalSavePlan | RankFailure, checkpoint_id: str, storage_options: dict | None,
-              options: AsyncOptions) -> Future: ...
+              options: AsyncOptions, save_options: SaveOptions) -> Future: ...
 
     def write(self, index: int, staged: StagedState, items: list[int]) -> Future: ...
 
@@ -103,21 +104,22 @@ def wait_for_last_save() -> None:
 
 
 def start_async_save(persister: AsyncPersister, state_dict: dict, checkpoint_id: str, storage_options,
-                     options: AsyncOptions) -> SaveFuture:
-    """Stage ``state_dict`` and have ``persister`` save it (every rank of the group calls it together)."""
+                     options: AsyncOptions, save_options: SaveOptions = DEFAULT_SAVE) -> SaveFuture:
+    """Stage ``state_dict`` and have ``persister`` save it with ``save_options`` (every rank of the
+    group calls it together)."""
     global _last
     with _lock:
         if _last is not None:
             _last.wait()  # saves stay ordered, and the staging memory is free again
         t0 = time.perf_counter()
-        fut = _run(persister, state_dict, checkpoint_id, storage_options, options)
+        fut = _run(persister, state_dict, checkpoint_id, storage_options, options, save_options)
         fut.stall_s = time.perf_counter() - t0
         _last = fut
         return fut
 
 
 def _run(persister: AsyncPersister, state_dict: dict, checkpoint_id: str, storage_options,
-         options: AsyncOptions) -> SaveFuture:
+         options: AsyncOptions, save_options: SaveOptions) -> SaveFuture:
     rank = persister.rank
     staged: StagedState | None = None
     try:
@@ -128,7 +130,7 @@ def _run(persister: AsyncPersister, state_dict: dict, checkpoint_id: str, storag
             return failed_save(exc)
         local = RankFailure.from_exception(rank, exc)  # the plan step fails every rank, naming this one
     try:
-        begun = persister.begin(local, checkpoint_id, storage_options, options)
+        begun = persister.begin(local, checkpoint_id, storage_options, options, save_options)
     except Exception as exc:  # errors surface at result(), as for the background part
         return failed_save(exc)
     if staged is None:

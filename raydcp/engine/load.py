@@ -11,6 +11,7 @@ from ..codec import itemsize
 from ..errors import CheckpointError, RankFailure
 from ..metadata import Metadata
 from ..metadata_format import decode_metadata
+from ..options import DEFAULT_LOAD, LoadOptions
 from ..planner import (LocalLoadPlan, RankLoadPlan, ReadItem, TensorSpec,
                        check_requests, plan_load, stored_sources)
 from ..planner.transfer import plan_transfer
@@ -18,6 +19,7 @@ from ..state import FlatState, flatten_state
 from ..state_modules import legacy_optimizer_renames
 from ..storage import CheckpointStorage
 from ..transport import Transport
+from .compressed import CompressedPieces
 from .reads import ChunkReader, Deliverer, FileChunkReader, LiveChunkReader, check_shares
 from .save import local_save_plan
 
@@ -71,12 +73,16 @@ def _stored_sources(md: Metadata):
 
 def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):
     """Each rank sends (its LocalLoadPlan, its optimizers' parameter FQNs by id); each gets back
-    (its RankLoadPlan, its Skipped, the group's Skipped: every rank's state-dict-only keys)."""
+    (its RankLoadPlan, its Skipped, the group's Skipped: every rank's state-dict-only keys, the
+    compressed pieces of the files it reads or None)."""
     return _plan_loads(read_metadata(checkpoint_id, storage_options), requests)
 
 
 def _plan_loads(md: Metadata, requests: Sequence[tuple]) -> list:
-    """:func:`_reduce_load_plan` once the metadata is read: check the requests, plan every rank's reads."""
+    """:func:`_reduce_load_plan` once the metadata is read: check the requests, plan every rank's reads.
+
+    A checkpoint holding compressed pieces is planned without joint reads: a compressed piece is
+    read whole, so each is read by one rank, which forwards the parts others need."""
     local_plans = [r[0] for r in requests]
     available = {k: TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
     itemsizes = {k: itemsize(t.dtype) for k, t in md.tensors.items()}
@@ -89,15 +95,17 @@ def _plan_loads(md: Metadata, requests: Sequence[tuple]) -> list:
         sources = {get(k, k): sources[k] for k in sources}
         values = {get(k, k): v for k, v in values.items()}
     check_requests(available, values, local_plans)
-    plans = plan_load(sources, local_plans, values, itemsizes)
+    packed = CompressedPieces.of_metadata(md)
+    plans = plan_load(sources, local_plans, values, itemsizes, joint_reads=not packed)
+    compressed = [packed.for_plan(p) if packed else None for p in plans]
     if all(lp.strict for lp in local_plans):
-        return [(p, None, None) for p in plans]
+        return [(p, None, None, c) for p, c in zip(plans, compressed)]
     stored = set(available) | set(values)
     wanted = [set(lp.tensors) | set(lp.values) for lp in local_plans]
     ckpt_only = tuple(sorted(stored.difference(*wanted)))
     mine = [tuple(sorted(w - stored)) for w in wanted]
     group = Skipped(ckpt_only, tuple(sorted(set().union(*mine))))
-    return [(p, Skipped(ckpt_only, m), group) for p, m in zip(plans, mine)]
+    return [(p, Skipped(ckpt_only, m), group, c) for p, m, c in zip(plans, mine, compressed)]
 
 
 def _param_orders(per_rank) -> dict[str, tuple[str, ...]]:
@@ -157,7 +165,8 @@ def _all_done(values: list) -> list:
 
 
 def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, strict: bool = True,
-              storage_options: dict | None = None, warn_skipped: bool = True) -> LoadStats:
+              storage_options: dict | None = None, warn_skipped: bool = True,
+              options: LoadOptions | None = None) -> LoadStats:
     """The load protocol for one rank (every rank of ``transport`` calls it together).
 
     1. flatten the state dict into the regions this rank wants; 2. reduce_scatter
@@ -168,18 +177,20 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
 
     With ``strict=False`` the result names the keys skipped, and rank 0 logs them (all ranks'
     together) in one warning unless ``warn_skipped`` is False (internal partial loads).
+    ``options.io`` sizes this rank's reads (:class:`~raydcp.engine.reads.FileChunkReader`).
     """
+    options = DEFAULT_LOAD if options is None else options
     t0 = time.perf_counter()
     try:
         flat = flatten_state(state_dict, for_load=True)
         local: Any = (local_load_plan(transport.rank, flat, strict), flat.param_orders or None)
     except Exception as exc:
         local = RankFailure.from_exception(transport.rank, exc)
-    plan, skipped, group_skipped = transport.reduce_scatter(
+    plan, skipped, group_skipped, compressed = transport.reduce_scatter(
         "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        nread = _execute(transport, plan, flat, FileChunkReader(storage))
+        nread = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed))
     finally:
         storage.close()
     if warn_skipped and transport.rank == 0:

@@ -5,7 +5,7 @@
 :class:`HelperProcess`), so the trainer's GIL is never contended. Protocol (parent = the
 training process, helper = the helper process), per save:
 
-1. ``begin``: the parent sends the local plan; the helper opens a
+1. ``begin``: the parent sends the local plan and the save's options; the helper opens a
    :class:`~raydcp.engine.session.PersistSession` over the in-process transport and runs the
    plan step (it answers with the plan items of each batch).
 2. ``write``, per batch: the parent stages the batch's pieces into its arena
@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure
-from ..options import PERSIST_NICE_ENV, AsyncOptions
+from ..options import PERSIST_NICE_ENV, AsyncOptions, SaveOptions
 from . import procmem
 from .background import wait_for_last_save
 from .save import StagedState
@@ -165,7 +165,8 @@ class LocalPersister:
         self._cap: int | None = None
         self._handover = cf.ThreadPoolExecutor(1, thread_name_prefix="raydcp-handover")  # jobs in save order
 
-    def begin(self, plan, checkpoint_id: str, storage_options, options: AsyncOptions) -> cf.Future:
+    def begin(self, plan, checkpoint_id: str, storage_options, options: AsyncOptions,
+              save_options: SaveOptions) -> cf.Future:
         private = staging_mode(options.staging) == "private"
         if self.helper is None or self.helper.nice != options.persist_nice:
             if self.helper is not None:
@@ -178,7 +179,7 @@ class LocalPersister:
         # The arena is free to overwrite: the previous save has finished with it.
         self._private, self._cap = private, options.max_staging_bytes
         return self._send({"op": "begin", "local_plan": plan, "checkpoint_id": checkpoint_id,
-                           "storage_options": storage_options, "cap": self._cap})
+                           "storage_options": storage_options, "cap": self._cap, "save_options": save_options})
 
     def write(self, index: int, staged: StagedState, items: list[int]) -> cf.Future:
         layout = self.arena.stage(staged, items, limit=self._cap)

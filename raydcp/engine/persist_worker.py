@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..options import STAGING_ENV
+from ..options import DEFAULT_SAVE, STAGING_ENV
 from ..transport import LocalTransport
 from . import procmem
 from .persist import lower_priority
@@ -62,7 +62,7 @@ class _Helper:
         op = job["op"]
         if op == "begin":
             self.session = PersistSession(LocalTransport(), job["checkpoint_id"], job["storage_options"],
-                                          job["local_plan"], job["cap"])
+                                          job["local_plan"], job["cap"], job.get("save_options") or DEFAULT_SAVE)
             return self.session.begin()
         session = self.session
         if session is None:

@@ -74,14 +74,19 @@ class StorageRecord:
     ``keys`` (equal lists, equal digests): the commit maps each distinct list to the checkpoint's
     tensors once, and ``keys`` travels packed (:class:`~raydcp.planner.PackedNames`), so the
     coordinator makes no string per key of a list it has already seen.
+
+    Where a piece was compressed, ``codec[i]`` (uint8: 0 raw, else the 1-based position in
+    :data:`raydcp.metadata.COMPRESSIONS`) and ``stored[i]`` (int64: the bytes in the file, which
+    ``crcs[i]`` covers; ``byte_offsets[i] + stored[i]`` ends the piece) are given for every row;
+    both are None where every piece is raw, so a raw record carries no extra column.
     """
 
     __slots__ = ("keys", "keys_digest", "key", "ndim", "offsets", "sizes", "files", "file", "byte_offsets",
-                 "nbytes", "crcs", "block_values", "block_bounds")
+                 "nbytes", "crcs", "block_values", "block_bounds", "codec", "stored")
 
     def __init__(self, keys: Sequence[str] = (), key=None, ndim=None, offsets=None, sizes=None,
                  files: Sequence[str] = (), file=None, byte_offsets=None, nbytes=None, crcs=None,
-                 block_values=None, block_bounds=None, keys_digest: bytes | None = None):
+                 block_values=None, block_bounds=None, codec=None, stored=None, keys_digest: bytes | None = None):
         n = 0 if key is None else len(key)
 
         def col(a, dtype=np.int64):
@@ -96,9 +101,17 @@ class StorageRecord:
         self.byte_offsets, self.nbytes, self.crcs = col(byte_offsets), col(nbytes), col(crcs)
         self.block_values = np.zeros(0, np.uint32) if block_values is None else np.asarray(block_values, np.uint32)
         self.block_bounds = np.zeros(n + 1, np.int64) if block_bounds is None else np.asarray(block_bounds, np.int64)
+        if (codec is None) != (stored is None):
+            raise ValueError("a storage record's codec and stored columns come together")
+        self.codec = self.stored = None
+        if codec is not None:
+            codec = np.asarray(codec, np.uint8)
+            if codec.any():  # else every piece is raw: no columns
+                self.codec, self.stored = codec, np.asarray(stored, np.int64)
         if (any(len(c) != n for c in (self.ndim, self.file, self.byte_offsets, self.nbytes, self.crcs))
                 or self.offsets.ndim != 2 or len(self.offsets) != n or self.sizes.shape != self.offsets.shape
-                or len(self.block_bounds) != n + 1):
+                or len(self.block_bounds) != n + 1
+                or (self.codec is not None and (len(self.codec) != n or len(self.stored) != n))):
             raise ValueError("the columns of a storage record differ in length")
 
     def __len__(self) -> int:
@@ -112,6 +125,11 @@ class StorageRecord:
     def width(self) -> int:
         return self.offsets.shape[1]
 
+    @property
+    def stored_lengths(self) -> np.ndarray:
+        """The bytes each piece takes in its file: ``stored`` where pieces were compressed, else ``nbytes``."""
+        return self.nbytes if self.stored is None else self.stored
+
     def rows(self) -> Iterator[tuple]:
         """``(key, offsets, sizes, file, byte offset, nbytes, crc, blocks)`` per piece (journals, tools)."""
         keys, files = self.keys, self.files
@@ -122,10 +140,14 @@ class StorageRecord:
             yield keys[k], tuple(o[:nd]), tuple(s[:nd]), files[f], b, n, c, tuple(bv[bb[i]:bb[i + 1]])
 
     @classmethod
-    def from_rows(cls, rows: Sequence[tuple]) -> "StorageRecord":
-        """A record from ``(key, offsets, sizes, file, byte offset, nbytes, crc, blocks)`` tuples."""
+    def from_rows(cls, rows: Sequence[tuple], codec: Sequence[int] | None = None,
+                  stored: Sequence[int] | None = None) -> "StorageRecord":
+        """A record from ``(key, offsets, sizes, file, byte offset, nbytes, crc, blocks)`` tuples and,
+        where pieces were compressed, each row's codec id and stored length."""
         n = len(rows)
         if not n:
+            if codec or stored:
+                raise ValueError("the columns of a storage record differ in length")
             return cls()
         cols = list(zip(*rows))
         keys = {k: i for i, k in enumerate(dict.fromkeys(cols[0]))}
@@ -142,28 +164,37 @@ class StorageRecord:
         np.cumsum(blen, out=bounds[1:])
         return cls(tuple(keys), [keys[k] for k in cols[0]], ndim, offsets, sizes, tuple(files),
                    [files[f] for f in cols[3]], cols[4], cols[5], cols[6],
-                   np.fromiter(chain.from_iterable(cols[7]), np.uint32, int(bounds[-1])), bounds)
+                   np.fromiter(chain.from_iterable(cols[7]), np.uint32, int(bounds[-1])), bounds, codec, stored)
 
     @classmethod
     def written(cls, plan: LocalSavePlan, layouts: Sequence[tuple[str, Sequence[int], Sequence[int]]],
-                crcs: Sequence[int], blocks: Sequence[tuple[int, ...]]) -> "StorageRecord":
+                crcs: Sequence[int], blocks: Sequence[tuple[int, ...]], codec: Sequence[int] | None = None,
+                stored: Sequence[int] | None = None) -> "StorageRecord":
         """What a rank wrote (step 2): ``layouts`` lists ``(file name, item indices, byte offsets)``
-        per file, ``crcs[i]`` and ``blocks[i]`` are item i's checksum and block checksums. Rows in
+        per file, ``crcs[i]`` and ``blocks[i]`` are item i's checksum and block checksums and, where
+        pieces were compressed, ``codec[i]`` and ``stored[i]`` its codec id and stored length. Rows in
         file order, taken from the plan's columns (:class:`~raydcp.planner.ItemColumns`); from its
         items where the columns cannot stand for them."""
+        if codec is not None and not any(codec):
+            codec = stored = None  # every piece raw
         cols = getattr(plan, "columns", None)
         if cols is not None and len(cols.key) == len(plan.items) and (not len(cols.key) or int(cols.ndim.min()) >= 0):
-            return cls._of_columns(cols, layouts, crcs, blocks)
+            return cls._of_columns(cols, layouts, crcs, blocks, codec, stored)
         items = plan.items
+        ids = [i for _, file_ids, _ in layouts for i in file_ids]
         return cls.from_rows([(items[i].key, items[i].offsets, items[i].sizes, name, off, items[i].nbytes, crcs[i],
-                               blocks[i]) for name, ids, offs in layouts for i, off in zip(ids, offs)])
+                               blocks[i]) for name, file_ids, offs in layouts for i, off in zip(file_ids, offs)],
+                             None if codec is None else [codec[i] for i in ids],
+                             None if stored is None else [stored[i] for i in ids])
 
     @classmethod
-    def _of_columns(cls, columns, layouts, crcs, blocks) -> "StorageRecord":
+    def _of_columns(cls, columns, layouts, crcs, blocks, codec=None, stored=None) -> "StorageRecord":
         counts = [len(ids) for _, ids, _ in layouts]
         n = sum(counts)
         ids = np.fromiter(chain.from_iterable(ids for _, ids, _ in layouts), np.int64, n)
         idl = ids.tolist()
+        if codec is not None:
+            codec, stored = np.asarray(codec, np.uint8)[ids], np.asarray(stored, np.int64)[ids]
         blen = np.fromiter((len(blocks[i]) for i in idl), np.int64, n)
         bounds = np.zeros(n + 1, np.int64)
         np.cumsum(blen, out=bounds[1:])
@@ -173,7 +204,7 @@ class StorageRecord:
                    np.fromiter(chain.from_iterable(offs for _, _, offs in layouts), np.int64, n), columns.nbytes[ids],
                    np.fromiter((crcs[i] for i in idl), np.int64, n),
                    np.fromiter(chain.from_iterable(blocks[i] for i in idl), np.uint32, int(bounds[-1])), bounds,
-                   keys_digest=columns.keys_digest)
+                   codec, stored, keys_digest=columns.keys_digest)
 
     @classmethod
     def concat(cls, records: Sequence["StorageRecord"]) -> "StorageRecord":
@@ -194,6 +225,10 @@ class StorageRecord:
         fmaps = [np.array([files.setdefault(f, len(files)) for f in r.files] or [0], np.int64) for r in records]
         bounds = np.zeros(sum(map(len, records)) + 1, np.int64)
         np.cumsum(np.concatenate([np.diff(r.block_bounds) for r in records]), out=bounds[1:])
+        codec = stored = None
+        if any(r.codec is not None for r in records):  # raw records' rows: codec 0, stored length nbytes
+            codec = np.concatenate([np.zeros(len(r), np.uint8) if r.codec is None else r.codec for r in records])
+            stored = np.concatenate([r.stored_lengths for r in records])
         same_keys = len(key_maps) == 1
         return cls(records[0].keys if same_keys else tuple(keys),
                    np.concatenate([key_maps[r.keys_digest][r.key] for r in records]),
@@ -201,12 +236,15 @@ class StorageRecord:
                    tuple(files), np.concatenate([m[r.file] for m, r in zip(fmaps, records)]),
                    *(np.concatenate([getattr(r, c) for r in records]) for c in ("byte_offsets", "nbytes", "crcs")),
                    np.concatenate([r.block_values[r.block_bounds[0]:r.block_bounds[-1]] for r in records]), bounds,
-                   keys_digest=records[0].keys_digest if same_keys else None)
+                   codec, stored, keys_digest=records[0].keys_digest if same_keys else None)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, StorageRecord):
             return NotImplemented
-        return len(self) == len(other) and list(self.rows()) == list(other.rows())
+        return (len(self) == len(other) and list(self.rows()) == list(other.rows())
+                and (self.codec is None) == (other.codec is None)
+                and (self.codec is None or (np.array_equal(self.codec, other.codec)
+                                            and np.array_equal(self.stored, other.stored))))
 
     __hash__ = None
 
@@ -217,7 +255,7 @@ class StorageRecord:
         keys = PackedNames.of(self.keys)
         return (_storage_record, (keys, self.key, self.ndim, self.offsets, self.sizes, self.files, self.file,
                                   self.byte_offsets, self.nbytes, self.crcs, self.block_values, self.block_bounds,
-                                  self.keys_digest))
+                                  self.codec, self.stored, self.keys_digest))
 
 
 def _storage_record(*args) -> StorageRecord:
@@ -393,6 +431,9 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
     off, size = np.zeros((n, width), np.int64), np.ones((n, width), np.int64)
     files: dict[str, int] = {}
     bvals: list[np.ndarray] = []
+    codec = stored = None  # only where some rank compressed a piece: raw rows codec 0, stored nbytes
+    if any(r.codec is not None for r in records):
+        codec, stored = np.zeros(n, np.uint8), np.empty(n, np.int64)
     maps: dict[bytes, np.ndarray] = {}
     kid: dict[str, int] | None = None
     a = 0
@@ -416,6 +457,10 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
             fm = np.array([files.setdefault(name, len(files)) for name in r.files] or [0], np.int64)
             np.take(fm, r.file, out=file[a:b])
         boff[a:b], nbytes[a:b], crc[a:b] = r.byte_offsets, r.nbytes, r.crcs
+        if codec is not None:
+            stored[a:b] = r.stored_lengths
+            if r.codec is not None:
+                codec[a:b] = r.codec
         lo, hi = int(r.block_bounds[0]), int(r.block_bounds[-1])
         np.subtract(r.block_bounds[1:], r.block_bounds[:-1], out=blen[a:b])
         if hi > lo:
@@ -430,6 +475,8 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
         np.cumsum(blen, out=start[1:])  # where each row's block checksums start, before sorting
         key, file, boff, nbytes, crc, blen = (np.take(x, order) for x in (key, file, boff, nbytes, crc, blen))
         off, size = np.take(off, order, axis=0), np.take(size, order, axis=0)
+        if codec is not None:
+            codec, stored = np.take(codec, order), np.take(stored, order)
         if bvals:
             values = np.concatenate(bvals)
             bvals = [values[np.repeat(start[:-1][order] - (np.cumsum(blen) - blen), blen) + np.arange(len(values))]]
@@ -437,7 +484,7 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
     bounds = np.zeros(n + 1, np.int64)
     np.cumsum(blen, out=bounds[1:])
     rows = np.searchsorted(key, np.arange(k + 1))
-    cols = ChunkColumns(rows, ndim, off, size, list(files), file, boff, nbytes, crc, bval, bounds)
+    cols = ChunkColumns(rows, ndim, off, size, list(files), file, boff, nbytes, crc, bval, bounds, codec, stored)
     return TensorMetas(keys, [s.dtype for s in specs], [s.shape for s in specs], cols)
 
 

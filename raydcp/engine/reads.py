@@ -15,20 +15,14 @@ from ..codec import checksum, combine_block_checksums, crc32c_combine, itemsize,
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointReplacedError
 from ..metadata import BLOCK_BYTES, ChunkColumns
 from ..metadata_format import decode_metadata
-from ..options import DEFAULT_IO
+from ..options import DEFAULT_IO, IOOptions
 from ..storage import METADATA_NAME
-from ..planner import ChunkRead, Delivery, SourceChunk, byte_runs, merge_runs
+from ..planner import ChunkRead, Delivery, byte_runs, merge_runs
 from ..state import TensorLeaf
+from .compressed import CompressedPieces, read_compressed
+from .read_columns import columnar_reads as _columnar_reads
 
 __all__ = ["ChunkReader", "FileChunkReader", "LiveChunkReader", "Deliverer", "check_shares"]
-
-# the read path's sizes (raydcp.options.IOOptions): whole chunks from POOL_MIN bytes on are read and
-# verified in POOL_THREADS threads, TASK_BYTES per task (whole checksum blocks), overlapping reads with
-# checks; smaller chunks of one file are read in batches of up to BATCH_BYTES
-POOL_MIN = DEFAULT_IO.read_pool_min
-TASK_BYTES = DEFAULT_IO.read_task_bytes
-POOL_THREADS = DEFAULT_IO.read_threads
-BATCH_BYTES = DEFAULT_IO.read_batch_bytes
 
 
 def _narrow(t: torch.Tensor, base, offsets, sizes) -> torch.Tensor:
@@ -139,10 +133,21 @@ class FileChunkReader(ChunkReader):
     A joint read (``ChunkRead.joint``: other ranks read the rest of the chunk) reads exactly its
     runs; a checksum block it covers only in part is not widened: the CRC of its share goes to
     ``shares`` and :func:`check_shares` verifies the block from every reader's shares.
+
+    ``io`` (:class:`~raydcp.options.IOOptions`) sizes the reads: whole chunks from
+    ``io.read_pool_min`` bytes on are read and verified in ``io.read_threads`` threads,
+    ``io.read_task_bytes`` per task (whole checksum blocks), overlapping reads with checks;
+    smaller chunks of one file are read in batches of up to ``io.read_batch_bytes``.
+
+    The pieces ``compressed`` names (:class:`~raydcp.engine.compressed.CompressedPieces`) are
+    each read whole, verified and decompressed (:func:`~raydcp.engine.compressed.read_compressed`),
+    ``io.read_threads`` at a time, and their parts delivered from the decompressed bytes.
     """
 
-    def __init__(self, storage):
+    def __init__(self, storage, io: IOOptions = DEFAULT_IO, compressed: CompressedPieces | None = None):
         self.storage = storage
+        self.io = io
+        self.compressed = compressed if compressed else None
         self.shares: list[tuple] = []
 
     def read_all(self, reads: Iterable[ChunkRead], out: Deliverer) -> int:
@@ -189,20 +194,29 @@ class FileChunkReader(ChunkReader):
         batches per file, one positional read each into a shared buffer, verified there and
         copied into their tensors, with no per-chunk open, stat or buffer object. A plan given
         as columns (a columnar table of reads) is read from its columns, without a ChunkRead
-        per chunk.
+        per chunk. Compressed pieces are read and decompressed in the same pool, one task each.
         """
-        sorted_reads = _columnar_reads(reads, out) or self._sort_reads(reads, out)
+        io = self.io
+        sorted_reads = _columnar_reads(reads, out, io.read_pool_min, self.compressed) or self._sort_reads(reads, out)
         small, large, rest, resolve = sorted_reads
+        packed: list[ChunkRead] = []
+        if self.compressed is not None:
+            packed = [cr for cr in rest if self._packed(cr.source) is not None]
+            rest = [cr for cr in rest if self._packed(cr.source) is None] if packed else rest
         nread = sum(e[1] for chunks in small.values() for e in chunks) + sum(ch.nbytes for ch, _ in large)
-        pool = ThreadPoolExecutor(min(POOL_THREADS, len(large)), thread_name_prefix="raydcp-read") if large else None
+        tasks = len(large) + len(packed)
+        pool = ThreadPoolExecutor(min(io.read_threads, tasks), thread_name_prefix="raydcp-read") if tasks else None
+        task = io.read_task_bytes
         try:
-            pending = [(ch, [pool.submit(self._read_part, ch, view, s, min(s + TASK_BYTES, ch.nbytes))
-                             for s in range(0, ch.nbytes, TASK_BYTES)])
+            unpacked = [pool.submit(self._read_packed, cr, out) for cr in packed]
+            pending = [(ch, [pool.submit(self._read_part, ch, view, s, min(s + task, ch.nbytes))
+                             for s in range(0, ch.nbytes, task)])
                        for ch, view in ((ch, memoryview(_host_bytes(dest))) for ch, dest in large)]
             for name, chunks in small.items():
                 self._read_small(name, chunks, resolve)
             for cr in rest:
                 nread += self.read(cr, out)
+            nread += sum(f.result() for f in unpacked)
             for ch, futures in pending:
                 parts = [f.result() for f in futures]
                 if ch.block_checksums and ch.checksum is not None:
@@ -214,23 +228,36 @@ class FileChunkReader(ChunkReader):
                 pool.shutdown(wait=True, cancel_futures=True)
         return nread
 
-    @staticmethod
-    def _sort_reads(reads: Iterable[ChunkRead], out: Deliverer):
+    def _packed(self, ch) -> tuple[int, int] | None:
+        """``(codec id, stored length)`` of a compressed piece, None for a raw one."""
+        return None if self.compressed is None else self.compressed.get(ch.file, ch.byte_offset)
+
+    def _read_packed(self, cr: ChunkRead, out: Deliverer) -> int:
+        """Read a compressed piece whole, deliver its parts; return the stored bytes read."""
+        whole, nread = read_compressed(self.storage, cr.source, *self._packed(cr.source))
+        ch = cr.source
+        for d in cr.deliveries:
+            out.deliver(d, _narrow(whole, ch.offsets, d.offsets, d.sizes))
+        return nread
+
+    def _sort_reads(self, reads: Iterable[ChunkRead], out: Deliverer):
         """Split ``reads`` into small whole chunks by file (``(byte offset, nbytes, checksum,
-        destination, chunk)``), large whole chunks ``(chunk, destination)`` and the rest."""
+        destination, chunk)``), large whole chunks ``(chunk, destination)`` and the rest
+        (compressed pieces among them)."""
         small: dict[str, list[tuple]] = {}
         large: list[tuple[Any, torch.Tensor]] = []
         rest: list[ChunkRead] = []
+        pool_min = self.io.read_pool_min
         for cr in reads:
             ch = cr.source
             nbytes = ch.nbytes
             if nbytes == 0:
                 continue
             dels = cr.deliveries
-            if len(dels) == 1 and dels[0].sizes == ch.sizes:
+            if len(dels) == 1 and dels[0].sizes == ch.sizes and self._packed(ch) is None:
                 dest = out.direct(dels[0], nbytes)
                 if dest is not None:
-                    if nbytes < POOL_MIN:
+                    if nbytes < pool_min:
                         small.setdefault(ch.file, []).append((ch.byte_offset, nbytes, ch.checksum, dest, ch))
                     else:
                         large.append((ch, dest))
@@ -270,11 +297,12 @@ class FileChunkReader(ChunkReader):
         SourceChunk) to name in errors; without ``resolve``, ``ref`` is the chunk."""
         crc = crc32c.crc32c
         memmove = ctypes.memmove
+        batch_bytes = self.io.read_batch_bytes
         chunks.sort(key=_first)  # in file order: sequential reads, touching ones merged
         i, n = 0, len(chunks)
         while i < n:
             j, size = i, 0
-            while j < n and (j == i or size + chunks[j][1] <= BATCH_BYTES):
+            while j < n and (j == i or size + chunks[j][1] <= batch_bytes):
                 size += chunks[j][1]
                 j += 1
             batch = chunks[i:j]
@@ -310,6 +338,8 @@ class FileChunkReader(ChunkReader):
         isz = itemsize(ch.dtype)
         if ch.nbytes == 0:
             return 0
+        if self._packed(ch) is not None:
+            return self._read_packed(cr, out)
         if len(cr.deliveries) == 1:
             d = cr.deliveries[0]
             if d.rank == out.rank and d.sizes == ch.sizes and self._read_direct(cr, d, out):
@@ -423,71 +453,6 @@ def _first(x: tuple) -> Any:
 
 def _host_dense(t: torch.Tensor) -> bool:
     return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
-_READ_COLUMNS = ("keys", "dtypes", "ndims", "files", "key", "offsets", "sizes", "file", "byte_offset", "nbytes",
-                 "checksum", "block_values", "block_bounds", "delivery_bounds", "d_rank", "d_item", "d_sizes")
-
-
-def _columnar_reads(reads: Any, out: Deliverer):
-    """:meth:`FileChunkReader._sort_reads` for a plan whose reads come as columns (arrays of
-    keys, boxes, files, offsets, checksums and deliveries; checksum -1 for none); None if
-    ``reads`` is a plain sequence of ChunkRead. Only chunks that are not read whole into this
-    rank's tensors become ChunkRead objects."""
-    if getattr(reads, "sources", True) is not None or not all(hasattr(reads, c) for c in _READ_COLUMNS):
-        return None
-    n = len(reads.nbytes)
-    db = np.asarray(reads.delivery_bounds)
-    d_rank = np.asarray(reads.d_rank)
-    sizes = np.asarray(reads.sizes)
-    d_sizes = None if reads.d_sizes is None else np.asarray(reads.d_sizes)  # None: every delivery is whole
-    if n == 0 or len(db) != n + 1 or sizes.ndim != 2 or d_sizes is not None and (
-            d_sizes.ndim != 2 or sizes.shape[1] != d_sizes.shape[1]):
-        return None
-    first = np.minimum(db[:-1], max(len(d_rank) - 1, 0))
-    nbytes = np.asarray(reads.nbytes)
-    whole = ((db[1:] - db[:-1]) == 1) & (d_rank[first] == out.rank) & (nbytes > 0)
-    if d_sizes is not None and len(d_sizes):
-        whole &= (d_sizes[first] == sizes).all(axis=1)
-    files, boff, crcs = reads.files, np.asarray(reads.byte_offset), np.asarray(reads.checksum)
-    bb = np.asarray(reads.block_bounds)
-    nblocks = bb[1:] - bb[:-1]
-    items = np.asarray(reads.d_item)[first]
-
-    def chunk(i: int) -> SourceChunk:
-        k = int(reads.key[i])
-        nd = int(reads.ndims[k])
-        crc = int(crcs[i])
-        return SourceChunk(reads.keys[k], reads.dtypes[k], tuple(reads.offsets[i][:nd].tolist()),
-                           tuple(sizes[i][:nd].tolist()), files[int(reads.file[i])], int(boff[i]), int(nbytes[i]),
-                           None if crc < 0 else crc, tuple(reads.block_values[bb[i]:bb[i + 1]].tolist()))
-
-    small: dict[str, list[tuple]] = {}
-    large: list[tuple[Any, torch.Tensor]] = []
-    rest_rows: list[int] = []
-    whole_dest = out.whole
-    rows = np.flatnonzero(whole & (nbytes < POOL_MIN) & (nblocks == 0))
-    for i, item, nb, f, off, crc in zip(rows.tolist(), items[rows].tolist(), nbytes[rows].tolist(),
-                                          np.asarray(reads.file)[rows].tolist(), boff[rows].tolist(),
-                                          crcs[rows].tolist()):
-        dest = whole_dest(item, nb)
-        if dest is None:
-            rest_rows.append(i)
-        else:
-            small.setdefault(files[f], []).append((off, nb, None if crc < 0 else crc, dest, i))
-    rows = np.flatnonzero(whole & ((nbytes >= POOL_MIN) | (nblocks > 0)))
-    for i, item, nb in zip(rows.tolist(), items[rows].tolist(), nbytes[rows].tolist()):
-        dest = whole_dest(item, nb)
-        if dest is None:
-            rest_rows.append(i)
-        else:
-            large.append((chunk(i), dest))
-    rest_rows.extend(np.flatnonzero(~whole & (nbytes > 0)).tolist())
-    rest: list[ChunkRead] = []
-    if rest_rows:
-        objs = tuple(reads)
-        rest = [objs[i] for i in sorted(rest_rows)]
-    return small, large, rest, chunk
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:

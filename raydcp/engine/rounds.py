@@ -39,15 +39,16 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ..errors import CheckpointError, RankFailure
-from ..metadata import ChunkMeta, Metadata, TensorMeta
-from ..planner import SavePlanOptions, TensorSpec
+from ..metadata import COMPRESSED_FORMAT_VERSION, COMPRESSIONS, FORMAT_VERSION, ChunkMeta, Metadata, TensorMeta, codec_id
+from ..options import DEFAULT_SAVE, SaveOptions
+from ..planner import TensorSpec
 from ..planner.tiling import piece_problems
 from ..state import flatten_state
 from ..storage import CheckpointStorage
 from ..storage.commits import begin_save, current_generation, save_generation
 from ..transport import Transport
 from .protocol import StorageRecord, commit_checkpoint, name_storage_error, plan_round
-from .save import discard_after_failure, local_save_plan, write_rank_files
+from .save import discard_after_failure, local_save_plan, plan_options, write_rank_files
 
 __all__ = ["RoundRecords", "new_save_id", "round_save_id", "write_round", "commit_rounds", "RoundJournal"]
 
@@ -66,18 +67,28 @@ class RoundRecords:
         return self.records.total_bytes
 
     def to_json(self) -> dict:
-        """The journal's form: one row per piece ``[key, offsets, sizes, file, byte offset, nbytes, crc, blocks]``."""
-        return {"save_id": self.save_id,
-                "tensors": {k: [s.dtype, list(s.shape)] for k, s in self.tensors.items()},
-                "records": [[k, list(o), list(s), f, b, n, c, list(bl)]
-                            for k, o, s, f, b, n, c, bl in self.records.rows()]}
+        """The journal's form: one row per piece ``[key, offsets, sizes, file, byte offset, nbytes, crc, blocks]``
+        and, where pieces were compressed, each piece's codec name (or None) and stored length."""
+        out = {"save_id": self.save_id,
+               "tensors": {k: [s.dtype, list(s.shape)] for k, s in self.tensors.items()},
+               "records": [[k, list(o), list(s), f, b, n, c, list(bl)]
+                           for k, o, s, f, b, n, c, bl in self.records.rows()]}
+        if self.records.codec is not None:
+            out["codecs"] = [COMPRESSIONS[k - 1] if k else None for k in self.records.codec.tolist()]
+            out["stored"] = self.records.stored.tolist()
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> "RoundRecords":
-        return cls(obj["save_id"],
-                   {k: TensorSpec(d, tuple(s)) for k, (d, s) in obj["tensors"].items()},
-                   StorageRecord.from_rows([(k, tuple(o), tuple(s), f, int(b), int(n), int(c), tuple(bl))
-                                            for k, o, s, f, b, n, c, bl in obj["records"]]))
+        rows = [(k, tuple(o), tuple(s), f, int(b), int(n), int(c), tuple(bl))
+                for k, o, s, f, b, n, c, bl in obj["records"]]
+        codec = stored = None
+        if obj.get("codecs"):
+            if len(obj["codecs"]) != len(rows) or len(obj["stored"]) != len(rows):
+                raise ValueError("a journal entry's codecs do not match its records")
+            codec, stored = [codec_id(k) for k in obj["codecs"]], [int(n) for n in obj["stored"]]
+        records = StorageRecord.from_rows(rows, codec, stored)
+        return cls(obj["save_id"], {k: TensorSpec(d, tuple(s)) for k, (d, s) in obj["tensors"].items()}, records)
 
 
 def new_save_id() -> str:
@@ -97,9 +108,10 @@ def _reduce_round_records(values: Sequence[tuple]) -> list:
 
 
 def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: str, *,
-                storage_options: dict | None = None, max_file_bytes: int = SavePlanOptions().max_file_bytes,
+                storage_options: dict | None = None, options: SaveOptions = DEFAULT_SAVE,
                 failure: BaseException | None = None) -> RoundRecords | None:
-    """Step 2 for one rank (every rank of ``transport`` calls it): write this round's pieces.
+    """Step 2 for one rank (every rank of ``transport`` calls it): write this round's pieces,
+    in files of up to ``options.max_file_bytes``, with ``options.io``.
 
     ``state`` holds tensors only (plain values go to :func:`commit_rounds`). Returns the
     round's records on rank 0, None on the others. Nothing is committed. A rank that failed
@@ -118,11 +130,11 @@ def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: 
         local: Any = staged.plan
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
-    options = SavePlanOptions(save_id=save_id, max_file_bytes=max_file_bytes)
-    plan, header = plan_round(transport, local, options, step="round: plan")
+    plan, header = plan_round(transport, local, plan_options(options, save_id=save_id), step="round: plan")
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(storage, plan, staged), header)
+        written: Any = (write_rank_files(storage, plan, staged, io=options.io, compression=options.compression),
+                        header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     try:
@@ -153,17 +165,21 @@ def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Seq
             if key not in tensors or tensors[key].dtype != spec.dtype or len(base) != len(tensors[key].shape):
                 problems.append(f"{rkey}: round {rnd.save_id} holds {spec.dtype}{list(spec.shape)}, which is no "
                                 f"part of any tensor of the checkpoint")
-        for rkey, offsets, sizes, file, off, nbytes, crc, blocks in rnd.records.rows():
+        codecs = None if rnd.records.codec is None else rnd.records.codec.tolist()
+        stored = None if rnd.records.stored is None else rnd.records.stored.tolist()
+        for i, (rkey, offsets, sizes, file, off, nbytes, crc, blocks) in enumerate(rnd.records.rows()):
             key, base = placement.get(rkey, (rkey, (0,) * len(offsets)))
             if key not in chunks:
                 continue  # reported above
             absolute = tuple(b + o for b, o in zip(base, offsets))
-            chunks[key].append(ChunkMeta(absolute, sizes, file, off, nbytes, crc, blocks))
+            packed = (COMPRESSIONS[codecs[i] - 1], stored[i]) if codecs and codecs[i] else ()
+            chunks[key].append(ChunkMeta(absolute, sizes, file, off, nbytes, crc, blocks, *packed))
     for key, spec in tensors.items():
         problems.extend(piece_problems(key, spec.shape, [(c.offsets, c.sizes) for c in chunks[key]]))
     if problems:
         raise CheckpointError(f"commit_rounds {checkpoint_id}: the rounds do not form the checkpoint, nothing "
                               "committed:\n  " + "\n  ".join(problems[:20]))
+    compressed = any(rnd.records.codec is not None for rnd in rounds)
     md = Metadata(
         save_id=save_id,
         world_size=world_size,
@@ -171,6 +187,7 @@ def commit_rounds(checkpoint_id: str, save_id: str, world_size: int, rounds: Seq
         tensors={k: TensorMeta(s.dtype, tuple(s.shape), tuple(sorted(chunks[k], key=lambda c: c.offsets)))
                  for k, s in tensors.items()},
         values=dict(values or {}),
+        version=COMPRESSED_FORMAT_VERSION if compressed else FORMAT_VERSION,
         extra=dict(extra or {}),
     )
     # a compare-and-swap on the path's commit log; then the replaced save's files, this save's
@@ -234,8 +251,9 @@ class RoundJournal:
             except (CheckpointError, ValueError, KeyError, TypeError):
                 continue  # a torn journal entry: run the round again
             need: dict[str, int] = {}
-            for _, _, _, file, off, nbytes, _, _ in rnd.records.rows():
-                need[file] = max(need.get(file, 0), off + nbytes)
+            for file, off, length in zip((rnd.records.files[f] for f in rnd.records.file.tolist()),
+                                         rnd.records.byte_offsets.tolist(), rnd.records.stored_lengths.tolist()):
+                need[file] = max(need.get(file, 0), off + length)
             if all((sizes.setdefault(f, self.storage.file_size(f)) or 0) >= n for f, n in need.items()):
                 self.done[int(stem)] = rnd
 

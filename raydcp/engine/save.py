@@ -12,23 +12,19 @@ import torch
 from ..codec import checksum, combine_block_checksums
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..metadata import BLOCK_BYTES, Metadata
-from ..options import DEFAULT_IO
+from ..options import DEFAULT_IO, DEFAULT_SAVE, IOOptions, SaveOptions
 from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, WriteItem
 from ..planner.save import ALIGN
 from ..state import FlatState, flatten_state
 from ..storage import CheckpointStorage
 from ..storage.capacity import release_save
 from ..transport import Transport
+from .compressed import PieceRows, compressed_file_buffers
 from .protocol import StorageRecord, commit_round, name_storage_error, plan_round
 
-__all__ = ["save_with", "local_save_plan", "StagedState"]
+__all__ = ["save_with", "local_save_plan", "StagedState", "write_rank_files", "plan_options"]
 
 _ZEROS = bytes(ALIGN)
-# the write path's sizes (raydcp.options.IOOptions): small host pieces up to PACK_MAX are copied into
-# shared write buffers of up to PACK_BYTES; a large piece is checksummed and written WRITE_BYTES at a time
-PACK_MAX = DEFAULT_IO.pack_max
-PACK_BYTES = DEFAULT_IO.pack_bytes
-WRITE_BYTES = DEFAULT_IO.write_bytes
 
 
 class StagedState:
@@ -86,35 +82,37 @@ def _packable(t: torch.Tensor) -> bool:
 
 
 def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources, crcs: list, blocks: list,
-                  read: Callable[[int, int, int, int], None] | None = None) -> Iterator[Any]:
+                  read: Callable[[int, int, int, int], None] | None = None,
+                  io: IOOptions = DEFAULT_IO) -> Iterator[Any]:
     """The buffers of one data file, whose pieces are the items ``ids`` at byte ``offsets``, in
     order; runs in the file's writing thread.
 
     Every piece is checksummed here, just before it is written (``crcs[item]``, ``blocks[item]``):
-    small host pieces are copied into shared buffers of up to PACK_BYTES and checksummed there;
-    large ones are written from their own memory WRITE_BYTES at a time, each 1 MiB block
-    checksummed just before it is written and the piece's checksum combined from its blocks, so
-    every byte is read once, while it is in cache.
+    host pieces of up to ``io.pack_max`` bytes are copied into shared buffers of up to
+    ``io.pack_bytes`` and checksummed there; larger ones are written from their own memory
+    ``io.write_bytes`` at a time, each 1 MiB block checksummed just before it is written and the
+    piece's checksum combined from its blocks, so every byte is read once, while it is in cache.
 
     With ``read`` the pieces' bytes are not in this process (``sources`` is not used):
     ``read(item, start, nbytes, address)`` copies bytes ``[start, start + nbytes)`` of
-    piece ``item`` to ``address``. Every piece is then packed or copied WRITE_BYTES at a time
-    into one buffer of this file's that is reused for the next chunk once written (the
+    piece ``item`` to ``address``. Every piece is then packed or copied ``io.write_bytes`` at a
+    time into one buffer of this file's that is reused for the next chunk once written (the
     storage writes each buffer before it asks for the next, see ``write_file``).
     """
     crc = crc32c.crc32c
     memmove = ctypes.memmove
+    pack_max, pack_bytes, write_bytes = io.pack_max, io.pack_bytes, io.write_bytes
     pos, i, n = 0, 0, len(ids)
     chunk: np.ndarray | None = None  # with ``read``: where large pieces are copied, a chunk at a time
     while i < n:
         item = ids[i]
         nbytes = sizes[item]
         src = sources[item] if read is None else None
-        if nbytes <= PACK_MAX and (read is not None or _packable(src)):
+        if nbytes <= pack_max and (read is not None or _packable(src)):
             j, end = i + 1, offsets[i] + nbytes
             while j < n:
                 nb = sizes[ids[j]]
-                if (nb > PACK_MAX or offsets[j] + nb - pos > PACK_BYTES
+                if (nb > pack_max or offsets[j] + nb - pos > pack_bytes
                         or (read is None and not _packable(sources[ids[j]]))):
                     break
                 end = offsets[j] + nb
@@ -146,11 +144,11 @@ def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources,
             yield view
         else:
             bl: list[int] = []
-            for s in range(0, nbytes, WRITE_BYTES):
-                e = min(s + WRITE_BYTES, nbytes)
+            for s in range(0, nbytes, write_bytes):
+                e = min(s + write_bytes, nbytes)
                 if read is not None:
                     if chunk is None:
-                        chunk = np.empty(WRITE_BYTES, dtype=np.uint8)
+                        chunk = np.empty(write_bytes, dtype=np.uint8)
                     read(item, s, e - s, chunk.ctypes.data)
                     part = memoryview(chunk)[: e - s]
                 else:
@@ -176,14 +174,19 @@ def _file_layouts(files) -> list[tuple[str, list[int], list[int]]]:
 
 
 def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
-                     read: Callable[[str, int, int, int, int], None] | None = None) -> StorageRecord:
-    """Write this rank's files (in parallel) and return their storage record (step 2 of the
-    save protocol, :mod:`raydcp.engine.protocol`): one row per piece.
+                     read: Callable[[str, int, int, int, int], None] | None = None, *,
+                     io: IOOptions = DEFAULT_IO, compression: str | None = None) -> StorageRecord:
+    """Write this rank's files (``io.write_threads`` at once) and return their storage record
+    (step 2 of the save protocol, :mod:`raydcp.engine.protocol`): one row per piece.
 
     Each file's pieces are checksummed in its writing thread as they are written
-    (:func:`_file_buffers`), overlapped with the writes of the other files. ``read``, for
-    pieces held by another process, is ``read(file name, item, start, nbytes, address)``.
+    (:func:`_file_buffers`, with the sizes of ``io``), overlapped with the writes of the other
+    files. ``read``, for pieces held by another process, is ``read(file name, item, start,
+    nbytes, address)``. With ``compression`` each piece is compressed on its own
+    (:mod:`raydcp.engine.compressed`) and the files are laid out as written.
     """
+    if compression is not None:
+        return _write_compressed(storage, plan, staged, read, io, compression)
     items = staged.plan.items
     sources = staged.sources() if read is None else None
     sizes = [it.nbytes for it in items]
@@ -191,9 +194,37 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
     blocks: list[tuple[int, ...]] = [()] * len(items)
     layouts = _file_layouts(plan.files)
     storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks,
-                                             None if read is None else partial(read, name))
-                         for name, ids, offs in layouts}, max_workers=DEFAULT_IO.write_threads)
+                                             None if read is None else partial(read, name), io)
+                         for name, ids, offs in layouts}, max_workers=io.write_threads)
     return StorageRecord.written(staged.plan, layouts, crcs, blocks)  # columnar (no object per piece), in file order
+
+
+def _write_compressed(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
+                      read: Callable[[str, int, int, int, int], None] | None, io: IOOptions,
+                      compression: str) -> StorageRecord:
+    """:func:`write_rank_files` with every piece compressed (where that makes it smaller)."""
+    items = staged.plan.items
+    sizes = [it.nbytes for it in items]
+    rows = PieceRows(len(items))
+    layouts = _file_layouts(plan.files)
+    if read is None:
+        sources = staged.sources()
+
+        def piece_of(name: str, item: int) -> memoryview:
+            raw = _byte_view(sources[item])
+            return memoryview((raw if raw.is_cpu else raw.cpu()).numpy())
+    else:
+        def piece_of(name: str, item: int) -> memoryview:
+            buf = np.empty(sizes[item], np.uint8)
+            if sizes[item]:
+                read(name, item, 0, sizes[item], buf.ctypes.data)
+            return memoryview(buf)
+
+    storage.write_files({name: compressed_file_buffers(ids, sizes, partial(piece_of, name), rows, io, compression)
+                         for name, ids, _ in layouts}, max_workers=io.write_threads)
+    # columnar, in file order; the pieces lie where the writer put them, not where the plan did
+    written = [(name, ids, [rows.offsets[i] for i in ids]) for name, ids, _ in layouts]
+    return StorageRecord.written(staged.plan, written, rows.crcs, rows.blocks, rows.codecs, rows.stored)
 
 
 def save_with(
@@ -201,16 +232,17 @@ def save_with(
     state_dict: dict,
     checkpoint_id: str,
     storage_options: dict | None = None,
-    options: SavePlanOptions = SavePlanOptions(),
+    options: SaveOptions | None = None,
     staged: StagedState | None = None,
 ) -> Metadata:
     """The synchronous save for one rank (every rank of ``transport`` calls it together).
 
     Flattens the state into a local plan, then runs the save protocol of
-    :mod:`raydcp.engine.protocol`: plan, write (all of this rank's files at once),
-    commit. Any failure on any rank fails every rank with one CheckpointError and
-    commits nothing.
+    :mod:`raydcp.engine.protocol`: plan (files of up to ``options.max_file_bytes``), write
+    (all of this rank's files at once, with ``options.io``), commit. Any failure on any rank
+    fails every rank with one CheckpointError and commits nothing.
     """
+    options = DEFAULT_SAVE if options is None else options
     rank = transport.rank
     local: Any
     try:
@@ -219,10 +251,12 @@ def save_with(
         local = staged.plan
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
-    plan, header = plan_round(transport, local, options, checkpoint_id=checkpoint_id, storage_options=storage_options)
+    plan, header = plan_round(transport, local, plan_options(options), checkpoint_id=checkpoint_id,
+                              storage_options=storage_options)
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(storage, plan, staged), header)
+        written: Any = (write_rank_files(storage, plan, staged, io=options.io, compression=options.compression),
+                        header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     try:
@@ -230,6 +264,13 @@ def save_with(
     except CheckpointError as exc:
         discard_after_failure(storage, [plan], exc)
         raise
+
+
+def plan_options(options: SaveOptions, *, save_id: str | None = None, cap: int | None = None) -> SavePlanOptions:
+    """The save plan's options for a save with ``options``: files of up to ``max_file_bytes``
+    (and no larger than a staging ``cap``, where one is given); ``save_id`` fixed or random."""
+    max_file = options.max_file_bytes if cap is None else min(cap, options.max_file_bytes)
+    return SavePlanOptions(max_file_bytes=max_file, save_id=save_id)
 
 
 def rank_file_names(plan: RankWritePlan) -> list[str]:

@@ -22,21 +22,15 @@ from typing import Any, Callable
 
 from ..errors import CheckpointError, RankFailure
 from ..metadata import Metadata
-from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions
+from ..options import DEFAULT_SAVE, SaveOptions
+from ..planner import LocalSavePlan, RankWritePlan
 from ..planner.save import ALIGN
 from ..storage import CheckpointStorage
 from ..transport import Transport
 from .protocol import SaveHeader, StorageRecord, commit_round, name_storage_error, plan_round
-from .save import StagedState, discard_after_failure, write_rank_files
+from .save import StagedState, discard_after_failure, plan_options, write_rank_files
 
-__all__ = ["PersistSession", "batches", "plan_options"]
-
-
-def plan_options(cap: int | None) -> SavePlanOptions:
-    """The plan options of a save staged under ``cap`` bytes: no file larger than the cap."""
-    if cap is None:
-        return SavePlanOptions()
-    return SavePlanOptions(max_file_bytes=min(cap, SavePlanOptions().max_file_bytes))
+__all__ = ["PersistSession", "batches"]
 
 
 def batches(plan: RankWritePlan, local_plan: LocalSavePlan, cap: int | None) -> list[list]:
@@ -57,11 +51,13 @@ def batches(plan: RankWritePlan, local_plan: LocalSavePlan, cap: int | None) -> 
 
 
 class PersistSession:
-    """One rank's save between its plan step and its commit (see the module doc)."""
+    """One rank's save between its plan step and its commit (see the module doc); ``options``
+    are the save's (file size cap, write path's IOOptions), ``cap`` its staging cap per rank."""
 
     def __init__(self, transport: Transport, checkpoint_id: str, storage_options: dict | None,
-                 local_plan: LocalSavePlan, cap: int | None = None):
+                 local_plan: LocalSavePlan, cap: int | None = None, options: SaveOptions = DEFAULT_SAVE):
         self.transport = transport
+        self.options = options
         self.checkpoint_id = checkpoint_id
         self.storage_options = storage_options
         self.local_plan = local_plan
@@ -76,7 +72,8 @@ class PersistSession:
     def begin(self) -> list[list[int]]:
         """Step 1: the plan round; returns the plan items of each batch (in staging order)."""
         try:
-            self.plan, self.header = plan_round(self.transport, self.local_plan, plan_options(self.cap),
+            self.plan, self.header = plan_round(self.transport, self.local_plan,
+                                                plan_options(self.options, cap=self.cap),
                                                 checkpoint_id=self.checkpoint_id,
                                                 storage_options=self.storage_options)
         except BaseException as exc:
@@ -95,7 +92,8 @@ class PersistSession:
             try:
                 part = RankWritePlan(self.plan.rank, self.plan.save_id, tuple(self.batches[index]))
                 storage = CheckpointStorage(self.checkpoint_id, self.storage_options)
-                self.records.append(write_rank_files(storage, part, staged, read))
+                self.records.append(write_rank_files(storage, part, staged, read, io=self.options.io,
+                                                     compression=self.options.compression))
             except Exception as exc:
                 self.failure = RankFailure.from_exception(
                     self.transport.rank, name_storage_error(exc, self.checkpoint_id))

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import api
 from ..errors import CheckpointError
 from ..metadata import Metadata
+from ..options import LoadOptions, SaveOptions
 from ..storage import CheckpointStorage, list_committed
 from ..storage._common import check_name
 from .config import PipelineConfig
@@ -81,6 +82,10 @@ class CheckpointPipeline:
     ``hook(info)`` or Ray remote functions, run on the cluster after commit. ``storage_options``:
     fsspec options for the tiers that are not local directories.
 
+    ``save_options``: the :class:`raydcp.SaveOptions` of the saves to tier 0 (data file size
+    cap, IOOptions); the later tiers receive the same files. ``load_options``: the
+    :class:`raydcp.LoadOptions` of :meth:`load`.
+
     ``driver``: ``"ray"`` runs the stages in a named coordinator actor (restarted by Ray up to
     ``max_restarts`` times; each restart resumes from the status records), ``"local"`` in a thread
     of this process, ``"auto"`` picks ``"ray"`` when Ray is initialized. ``resume=True`` starts the
@@ -93,13 +98,19 @@ class CheckpointPipeline:
                  retry: RetryPolicy | None = None, part_bytes: int = 64 << 20, max_parallel: int = 8,
                  on_event: Callable[[dict], None] | None = None, async_save: bool = True,
                  max_staging_bytes: int | None = None, driver: str = "auto", max_restarts: int = 3,
-                 resume: bool = True):
+                 resume: bool = True, save_options: SaveOptions | None = None,
+                 load_options: LoadOptions | None = None):
         self.config = PipelineConfig(
             tiers=make_tiers(tiers, retention, storage_options), verify=bool(verify), export=export,
             export_tier=export_tier, hooks=tuple(hooks), retry=retry or RetryPolicy(), part_bytes=part_bytes,
             max_parallel=max_parallel, on_event=on_event)
         if driver not in ("auto", "ray", "local"):
             raise CheckpointError(f"driver must be 'auto', 'ray' or 'local', got {driver!r}")
+        for name, value, kind in (("save_options", save_options, SaveOptions),
+                                  ("load_options", load_options, LoadOptions)):
+            if value is not None and not isinstance(value, kind):
+                raise CheckpointError(f"{name} must be a raydcp.{kind.__name__} (or None), got {type(value).__name__}")
+        self._save_options, self._load_options = save_options, load_options
         self._driver_kind = driver
         self._max_restarts = max_restarts
         self._async = bool(async_save)
@@ -148,7 +159,7 @@ class CheckpointPipeline:
         t0 = time.perf_counter()
         if self._async:
             future = api.async_save(state_dict, url, group=group, storage_options=tier0.options(),
-                                       max_staging_bytes=self._max_staging_bytes)
+                                    max_staging_bytes=self._max_staging_bytes, options=self._save_options)
             stall = time.perf_counter() - t0
             handle = PipelineSave(self, name, stall, tracked)
             # one long-lived thread follows every commit: starting a thread per save would make
@@ -161,7 +172,8 @@ class CheckpointPipeline:
             return handle
         box: dict = {}
         try:
-            box["md"] = api.save(state_dict, url, group=group, storage_options=tier0.options())
+            box["md"] = api.save(state_dict, url, group=group, storage_options=tier0.options(),
+                                 options=self._save_options)
         except CheckpointError as exc:
             box["error"] = exc
         stall = time.perf_counter() - t0
@@ -289,7 +301,8 @@ class CheckpointPipeline:
         for i in load_order(copies):
             url = self.tiers[i].copy_url(name)
             try:
-                stats = api.load(state_dict, url, group=group, strict=strict, storage_options=self.tiers[i].options())
+                stats = api.load(state_dict, url, group=group, strict=strict, storage_options=self.tiers[i].options(),
+                                 options=self._load_options)
             except CheckpointError as exc:
                 log.warning("loading %s failed (%s); trying the next tier", url, exc)
                 fallbacks.append((url, " ".join(str(exc).split())))

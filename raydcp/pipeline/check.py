@@ -52,7 +52,7 @@ def check_copy(url: str, storage_options: dict | None, *, full: bool = False, ti
         need: dict[str, int] = {}
         for tm in md.tensors.values():
             for c in tm.chunks:
-                need[c.file] = max(need.get(c.file, 0), c.byte_offset + c.nbytes)
+                need[c.file] = max(need.get(c.file, 0), c.byte_offset + c.stored_length)
         for name in sorted(need):
             size = storage.file_size(name)
             if size is None:

@@ -85,7 +85,7 @@ def file_pieces(md: Metadata) -> dict[str, list[Piece]]:
     out: dict[str, list[Piece]] = {}
     for tm in md.tensors.values():
         for c in tm.chunks:
-            out.setdefault(c.file, []).append(Piece(c.byte_offset, c.nbytes, c.checksum))
+            out.setdefault(c.file, []).append(Piece(c.byte_offset, c.stored_length, c.checksum))  # stored bytes
     for pieces in out.values():
         pieces.sort(key=lambda p: p.offset)
     return out

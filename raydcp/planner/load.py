@@ -136,6 +136,8 @@ def plan_load(
     local_plans: Sequence[LocalLoadPlan],
     values: Mapping[str, Any],
     itemsizes: Mapping[str, int],
+    *,
+    joint_reads: bool = True,
 ) -> list[RankLoadPlan]:
     """Assign every needed source chunk to one reader and list its deliveries (pure).
 
@@ -143,12 +145,13 @@ def plan_load(
     a tensor's chunks are split along one dimension, box by box otherwise. A chunk needed by one
     rank is read by that rank; a chunk needed by several is read, largest first, by the needing
     rank for which (bytes already assigned - bytes of the chunk it needs) is least; a live chunk
-    (``holders`` set) by its least loaded holder.
+    (``holders`` set) by its least loaded holder. ``joint_reads=False``: no chunk is split into
+    joint reads (stored chunks that are read whole, compressed ones).
     """
-    planned = _plan_load_columns(sources, local_plans, values, itemsizes)
+    planned = _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads)
     if planned is not None:
         return planned
-    return _plan_load_objects(sources, local_plans, values, itemsizes)
+    return _plan_load_objects(sources, local_plans, values, itemsizes, joint_reads)
 
 
 def _plan_load_objects(
@@ -156,6 +159,7 @@ def _plan_load_objects(
     local_plans: Sequence[LocalLoadPlan],
     values: Mapping[str, Any],
     itemsizes: Mapping[str, int],
+    joint_reads: bool = True,
 ) -> list[RankLoadPlan]:
     """The general path of :func:`plan_load`: a Python object per chunk and delivery."""
     world = len(local_plans)
@@ -200,7 +204,7 @@ def _plan_load_objects(
         by_rank: dict[int, list[Delivery]] = {}
         for d in dels:
             by_rank.setdefault(d.rank, []).append(d)
-        if ch.holders is None and ch.nbytes >= SPLIT_MIN_BYTES and len(by_rank) > 1 and _splits(
+        if joint_reads and ch.holders is None and ch.nbytes >= SPLIT_MIN_BYTES and len(by_rank) > 1 and _splits(
                 {r: [x for d in ds for x in byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, itemsizes[ch.key])]
                  for r, ds in by_rank.items()}, ch.nbytes):
             parts += [(ch, ds, True) for ds in by_rank.values()]

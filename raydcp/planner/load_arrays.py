@@ -26,7 +26,7 @@ def _names(keys: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoadPlan] | None:
+def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool = True) -> list[RankLoadPlan] | None:
     """The array path of :func:`raydcp.planner.plan_load`, or None where the general path must decide.
 
     Phases, each a function over the shared columns (:class:`_Arrays`): the source chunks
@@ -45,7 +45,7 @@ def _plan_load_columns(sources, local_plans, values, itemsizes) -> list[RankLoad
     kid = {key: i for i, key in enumerate(keys)}
 
     a = _Arrays(sources=sources, local_plans=local_plans, values=values, itemsizes=itemsizes, world=world,
-                lcols=lcols, keys=keys, nkeys=nkeys, kid=kid)
+                lcols=lcols, keys=keys, nkeys=nkeys, kid=kid, joint_reads=joint_reads)
     if not (_source_arrays(a) and _request_arrays(a)):
         return None
     _overlapping_pairs(a)
@@ -356,7 +356,7 @@ def _assign_readers(a: _Arrays) -> None:
     sp_chunk = p_c[sp][sp_heads]
     sp_count = np.diff(np.append(sp_heads, len(sp)))
     sp_joint = np.zeros(len(sp_heads), bool)
-    if len(sp_heads):
+    if len(sp_heads) and a.joint_reads:
         sp, sp_heads, sp_chunk, sp_count, sp_joint = _split_large_chunks(
             sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes, s_off, s_size, s_key, nd_key, isz)
     sp_reader = np.full(len(sp_heads), -1, np.int64)

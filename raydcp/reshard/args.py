@@ -7,10 +7,12 @@ import json
 from ..convert.keys import add_key_arguments, key_selection_from_args
 from ..errors import CheckpointError
 
-__all__ = ["LAYOUTS", "add_reshard_arguments", "options_from_args", "storage_options_from_args"]
+__all__ = ["LAYOUTS", "add_reshard_arguments", "add_save_arguments", "save_options_from_args", "options_from_args",
+           "storage_options_from_args"]
 
 # here rather than in .plan so that building the parser imports no torch (`raydcp --help`)
 LAYOUTS = ("dim0", "dim1", "replicated")
+COMPRESSION_CHOICES = ("none", "zstd", "lz4")  # raydcp.metadata.COMPRESSIONS, and none
 
 
 def add_reshard_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +29,7 @@ def add_reshard_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", default="1GiB", metavar="SIZE",
                         help="tensor bytes one process holds at a time (default 1GiB); the work is cut into "
                              "rounds that fit, a tensor larger than that into blocks of rows")
-    parser.add_argument("--max-file-size", default="256MiB", metavar="SIZE",
-                        help="largest data file a rank writes per round (default 256MiB)")
+    add_save_arguments(parser, "largest data file a rank writes per round (default 256MiB)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a checkpoint DST already holds (it stays loadable until the new one commits)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S",
@@ -39,6 +40,30 @@ def add_reshard_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fsspec options for SRC only (overrides --storage-options)")
     parser.add_argument("--dst-storage-options", metavar="JSON", default=None,
                         help="fsspec options for DST only (overrides --storage-options)")
+
+
+def add_save_arguments(parser: argparse.ArgumentParser, file_help: str) -> None:
+    """The options of the raydcp checkpoint a command writes (:class:`raydcp.SaveOptions`)."""
+    parser.add_argument("--max-file-bytes", "--max-file-size", dest="max_file_bytes", default=None, metavar="SIZE",
+                        help=f"{file_help}; e.g. 64MiB, 1GB")
+    parser.add_argument("--compression", choices=COMPRESSION_CHOICES, default=None,
+                        help="compress each piece of the raydcp checkpoint written with this codec (pieces that do "
+                             "not shrink stay raw; default none)")
+
+
+def _compression(args: argparse.Namespace) -> str | None:
+    return None if args.compression in (None, "none") else args.compression
+
+
+def save_options_from_args(args: argparse.Namespace):
+    """The :class:`raydcp.SaveOptions` the parsed arguments ask for (None: the defaults)."""
+    from ..convert import parse_size
+    from ..options import MAX_FILE_BYTES, SaveOptions
+
+    if args.max_file_bytes is None and _compression(args) is None:
+        return None
+    max_file = MAX_FILE_BYTES if args.max_file_bytes is None else parse_size(args.max_file_bytes)
+    return SaveOptions(max_file_bytes=max_file, compression=_compression(args))
 
 
 def options_from_args(args: argparse.Namespace):
@@ -53,7 +78,7 @@ def options_from_args(args: argparse.Namespace):
                           drop_optimizer=keys.drop_optimizer, drop_prefixes=keys.drop_prefixes,
                           strip_prefixes=keys.strip_prefixes, dtype_all=keys.dtype_all,
                           consolidate=args.consolidate, memory_budget=parse_size(args.memory_budget),
-                          max_file_bytes=parse_size(args.max_file_size))
+                          max_file_bytes=parse_size(args.max_file_bytes or "256MiB"), compression=_compression(args))
 
 
 def _json_object(text: str | None, flag: str) -> dict | None:

@@ -169,7 +169,7 @@ def reshard_with(make_executor: Callable[[], RoundExecutor], per_process: str, s
         return result(done_md.save_id, 0, True)
 
     job = {**plan.identity(), "source": src_url, "memory_budget": options.memory_budget,
-           "max_file_bytes": options.max_file_bytes, "per_process": per_process}
+           "max_file_bytes": options.max_file_bytes, "compression": options.compression, "per_process": per_process}
     journal = RoundJournal(dst_store.url, job, dst_storage_options)
     total = plan.nbytes
     done_bytes = sum(journal.done[r.index].nbytes for r in plan.rounds if r.index in journal.done)
@@ -189,7 +189,7 @@ def reshard_with(make_executor: Callable[[], RoundExecutor], per_process: str, s
             for rnd in todo:
                 t1 = time.perf_counter()
                 task = RoundTask(src_url, dst_store.url, round_save_id(journal.save_id, rnd.index), options.layout,
-                                 options.world_size, rnd, options.max_file_bytes, src_storage_options,
+                                 options.world_size, rnd, options.save_options, src_storage_options,
                                  dst_storage_options)
                 rec = executor.run(task)
                 journal.record(rnd.index, rec)

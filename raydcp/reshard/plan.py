@@ -23,6 +23,7 @@ from ..codec import itemsize
 from ..convert.keys import OPTIMIZER_PREFIXES, KeySelection, dtype_alias
 from ..errors import CheckpointError
 from ..metadata import Metadata
+from ..options import SaveOptions
 from ..planner import TensorSpec
 from ..planner.boxes import numel
 from ..planner.layouts import LAYOUTS, piece_box
@@ -51,6 +52,7 @@ class ReshardOptions:
     consolidate: bool = False            # each tensor whole, on one rank
     memory_budget: int = 1 << 30         # bytes of tensor data one process holds at a time
     max_file_bytes: int = 256 << 20      # a rank's pieces of a round are coalesced into files up to this
+    compression: str | None = None       # each piece of DST compressed with this codec (SaveOptions.compression)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
@@ -65,12 +67,19 @@ class ReshardOptions:
             v = getattr(self, knob)
             if not isinstance(v, int) or isinstance(v, bool) or v < ALIGN:
                 raise CheckpointError(f"{knob.replace('_', '-')} must be at least {ALIGN} bytes, got {v!r}")
+        SaveOptions(compression=self.compression)  # a codec this raydcp writes, or an error naming the option
+
+    @property
+    def save_options(self) -> SaveOptions:
+        """The :class:`~raydcp.options.SaveOptions` the rounds write with."""
+        return SaveOptions(max_file_bytes=self.max_file_bytes, compression=self.compression)
 
     def identity(self) -> dict:
         """The options that decide what the destination holds (recorded in its metadata)."""
         out = asdict(self)
         out.pop("memory_budget")
         out.pop("max_file_bytes")
+        out.pop("compression")  # how DST stores its pieces, not what it holds (as max_file_bytes)
         out["drop_prefixes"] = list(self.drop_prefixes)
         for knob, default in (("strip_prefixes", ()), ("dtype_all", False)):  # recorded only when used
             value = out.pop(knob)

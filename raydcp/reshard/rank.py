@@ -25,6 +25,7 @@ from ..codec import dtype_from_name
 from ..engine.load import load_with
 from ..engine.rounds import RoundRecords, write_round
 from ..errors import RankFailure
+from ..options import LoadOptions, SaveOptions
 from ..state import Shard
 from ..transport import Transport
 from .plan import Round, part_box
@@ -42,7 +43,7 @@ class RoundTask:
     layout: str
     world_size: int
     round: Round
-    max_file_bytes: int
+    save_options: SaveOptions    # how the round writes (file size cap, IOOptions); its reads use the same IOOptions
     src_storage_options: dict | None = None
     dst_storage_options: dict | None = None
 
@@ -70,7 +71,7 @@ def run_round(transport: Transport, task: RoundTask) -> RoundRecords | None:
     transport.reduce_scatter("round: allocate", failure, _all_ok)
     # 2. load them
     load_with(transport, src_state, task.src, strict=False, storage_options=task.src_storage_options,
-              warn_skipped=False)  # a round loads a subset on purpose
+              warn_skipped=False, options=LoadOptions(io=task.save_options.io))  # a round loads a subset on purpose
     # 3. cast, and 4. save under the round keys, offsets relative to the part
     out = {}
     error = None
@@ -85,7 +86,7 @@ def run_round(transport: Transport, task: RoundTask) -> RoundRecords | None:
         error = exc
     del src_state, pieces  # source copies of cast pieces are freed before the write
     return write_round(transport, out, task.dst, task.save_id, storage_options=task.dst_storage_options,
-                       max_file_bytes=task.max_file_bytes, failure=error)
+                       options=task.save_options, failure=error)
 
 
 def return_freed_memory() -> None:

@@ -36,7 +36,7 @@ from ..engine.session import PersistSession
 from ..engine.staging import StagingArena
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
-from ..options import AsyncOptions
+from ..options import AsyncOptions, SaveOptions
 from .groups import next_operation
 from .ray_transport import RayTransport
 
@@ -63,10 +63,10 @@ class _Persister:
         return True
 
     def begin(self, name: str, rank: int, world: int, timeout_s: float, op: int, checkpoint_id: str,
-              storage_options, local_plan, cap: int | None) -> list[list[int]]:
+              storage_options, local_plan, cap: int | None, options: SaveOptions) -> list[list[int]]:
         """Step 1 (the plan round); returns the plan items of each batch of this rank's files."""
         transport = RayTransport(Group(name, rank, world, timeout_s=timeout_s), op)
-        self._session = PersistSession(transport, checkpoint_id, storage_options, local_plan, cap)
+        self._session = PersistSession(transport, checkpoint_id, storage_options, local_plan, cap, options)
         try:
             return self._session.begin()
         except BaseException:
@@ -154,12 +154,13 @@ class RayPersister:
         self.rank, self.world_size = group.rank, group.world_size
         self._cap: int | None = None
 
-    def begin(self, plan, checkpoint_id: str, storage_options, options: AsyncOptions) -> _RayFuture:
+    def begin(self, plan, checkpoint_id: str, storage_options, options: AsyncOptions,
+              save_options: SaveOptions) -> _RayFuture:
         g = self.group
         self._cap = options.max_staging_bytes
         op = next_operation(g)
         return _RayFuture(self.actor.actor.begin.remote(g.name, g.rank, g.world_size, g.timeout_s, op, checkpoint_id,
-                                                        storage_options, plan, self._cap))
+                                                        storage_options, plan, self._cap, save_options))
 
     def write(self, index: int, staged: StagedState, items: list[int]) -> _RayFuture:
         return _RayFuture(self.actor.actor.write.remote(index, items, self.actor.put(staged, items, self._cap)))

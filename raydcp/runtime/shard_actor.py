@@ -65,10 +65,11 @@ class ShardActor:
 
         return self._outcome(run)
 
-    def save(self, slot: str, group: GroupSpec, checkpoint_id: str, storage_options: dict | None):
-        """Save group ``slot``'s state; rank 0 returns the Metadata (the others None, to ship it once)."""
+    def save(self, slot: str, group: GroupSpec, checkpoint_id: str, storage_options: dict | None, options=None):
+        """Save group ``slot``'s state (with ``options``, a SaveOptions or None); rank 0 returns the
+        Metadata (the others None, to ship it once)."""
         def run():
-            md = self._run(group, lambda t: save_with(t, self._state(slot), checkpoint_id, storage_options))
+            md = self._run(group, lambda t: save_with(t, self._state(slot), checkpoint_id, storage_options, options))
             return md if group[1] == 0 else None
 
         return self._outcome(run)

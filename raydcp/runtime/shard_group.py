@@ -47,6 +47,7 @@ import ray
 from ..engine import read_metadata, transfer_with
 from ..errors import CheckpointError
 from ..group import Group
+from ..options import SaveOptions
 from ..planner.layouts import check_layout, reuse_ranks
 from .layouts import empty_state
 from .members import Host, Member, start_members
@@ -200,13 +201,17 @@ class ShardGroup:
             self._specs, self.layout = (fresh[0], fresh[1]), fresh[2]
         return self
 
-    def save(self, checkpoint_id, *, storage_options: dict | None = None):
-        """Save the held state as one checkpoint; returns its ``raydcp.Metadata``."""
+    def save(self, checkpoint_id, *, storage_options: dict | None = None, options=None):
+        """Save the held state as one checkpoint; returns its ``raydcp.Metadata``. ``options``: a
+        :class:`raydcp.SaveOptions` (file size cap, IOOptions), the same for every actor."""
         ckpt = _local_path(checkpoint_id)
+        if options is not None and not isinstance(options, SaveOptions):
+            raise CheckpointError(f"options must be a raydcp.SaveOptions (or None), got {type(options).__name__}")
         self._begin("save", need_state=True)
         spec = self._spec()
         out = self._gather(f"save({ckpt!r})",
-                           {r: a.save.remote(self.name, spec(r), ckpt, storage_options) for r, a in enumerate(self.actors)})
+                           {r: a.save.remote(self.name, spec(r), ckpt, storage_options, options)
+                            for r, a in enumerate(self.actors)})
         return out[0]
 
     def reshard(self, world_size: int, *, layout: str | None = None, num_gpus_per_actor: float | None = None,

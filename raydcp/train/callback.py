@@ -73,7 +73,7 @@ def check_checkpoint(url: str, storage_options: dict | None = None, *, world_siz
     for key, t in md.tensors.items():
         problems += piece_problems(key, tuple(t.shape), [(c.offsets, c.sizes) for c in t.chunks])
         for c in t.chunks:
-            ends[c.file] = max(ends.get(c.file, 0), c.byte_offset + c.nbytes)
+            ends[c.file] = max(ends.get(c.file, 0), c.byte_offset + c.stored_length)
     for name, end in sorted(ends.items()):
         size = storage.file_size(name)
         if size is None:

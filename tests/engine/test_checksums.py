@@ -11,6 +11,7 @@ from raydcp import CheckpointError
 from raydcp.codec import block_checksums, checksum
 from raydcp.engine import reads
 from raydcp.metadata import BLOCK_BYTES
+from raydcp.options import IOOptions, LoadOptions
 
 MIB = 1 << 20
 
@@ -71,8 +72,8 @@ def flip(path, pos):
 
 
 @pytest.mark.parametrize("where", [0, 2 * MIB + 7, 5 * MIB + 12])  # first block, a middle one, the short last
-def test_damage_in_any_block_of_a_large_chunk_is_found(tmp_path, where, monkeypatch):
-    monkeypatch.setattr(reads, "TASK_BYTES", 2 * BLOCK_BYTES)  # several tasks per chunk
+def test_damage_in_any_block_of_a_large_chunk_is_found(tmp_path, where):
+    several_tasks = LoadOptions(io=IOOptions(read_task_bytes=2 * BLOCK_BYTES))  # several tasks per chunk
     t = torch.randint(0, 256, (5 * MIB + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     md = raydcp.save({"big": t, "other": torch.ones(3 * MIB, dtype=torch.uint8)}, tmp_path / "ck")
     (c,) = md.tensors["big"].chunks
@@ -81,21 +82,22 @@ def test_damage_in_any_block_of_a_large_chunk_is_found(tmp_path, where, monkeypa
     hi = min(lo + BLOCK_BYTES, c.nbytes)
     with pytest.raises(CheckpointError, match=rf"big: checksum mismatch in .* at bytes "
                                               rf"{c.byte_offset + lo}\.\.{c.byte_offset + hi}"):
-        raydcp.load({"big": torch.zeros_like(t), "other": torch.zeros(3 * MIB, dtype=torch.uint8)}, tmp_path / "ck")
+        raydcp.load({"big": torch.zeros_like(t), "other": torch.zeros(3 * MIB, dtype=torch.uint8)}, tmp_path / "ck",
+                    options=several_tasks)
 
 
-def test_damage_to_one_of_many_small_chunks_names_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(reads, "BATCH_BYTES", 4096)  # several batches
+def test_damage_to_one_of_many_small_chunks_names_it(tmp_path):
+    several_batches = LoadOptions(io=IOOptions(read_batch_bytes=4096))
     sd = {f"p{i:03d}": torch.full((100 + i,), float(i)) for i in range(300)}
     md = raydcp.save(sd, tmp_path / "ck")
     c = md.tensors["p217"].chunks[0]
     flip(tmp_path / "ck" / c.file, c.byte_offset + c.nbytes - 1)
     with pytest.raises(CheckpointError, match=r"p217: checksum mismatch"):
-        raydcp.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")
+        raydcp.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck", options=several_batches)
     with open(tmp_path / "ck" / c.file, "r+b") as f:  # cut the file in the middle of p217
         f.truncate(c.byte_offset + 10)
     with pytest.raises(CheckpointError, match=r"p217: .*truncated"):
-        raydcp.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")
+        raydcp.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck", options=several_batches)
 
 
 def test_a_partial_read_of_a_large_chunk_checks_only_the_blocks_it_reads(tmp_path):
@@ -113,7 +115,7 @@ def test_a_partial_read_of_a_large_chunk_checks_only_the_blocks_it_reads(tmp_pat
 
 def test_reads_given_as_chunk_objects_take_the_same_paths(tmp_path, monkeypatch):
     """A plan whose reads are a plain sequence of ChunkRead (not columns) reads alike."""
-    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out: None)
+    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out, pool_min, compressed: None)
     sd = odd_state()
     raydcp.save(sd, tmp_path / "ck")
     dest = {k: torch.zeros_like(v.detach()) for k, v in sd.items()}
@@ -160,7 +162,7 @@ def test_the_planners_reads_are_read_from_their_columns(tmp_path, monkeypatch, p
     """The load planner hands columns; reading them must not fall back to one ChunkRead per chunk."""
     got = []
     real = reads._columnar_reads
-    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out: got.append(real(r, out)) or got[-1])
+    monkeypatch.setattr(reads, "_columnar_reads", lambda r, out, *a: got.append(real(r, out, *a)) or got[-1])
     sd = {"a": torch.randn(100), "b": torch.randn(3 * MIB // 4)}
     raydcp.save(sd, tmp_path / "ck")
     if partial:  # deliveries that are parts of chunks: the columns carry their boxes

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 import raydcp
-from raydcp import CheckpointError, Shard
+from raydcp import CheckpointError, SaveOptions, Shard
 from raydcp.engine.protocol import StorageRecord, tensor_metas
 from raydcp.engine.save import local_save_plan, save_with
 from raydcp.metadata import BLOCK_BYTES, ChunkMeta, Metadata, TensorMeta
 from raydcp.metadata_format import encode_metadata
-from raydcp.planner import PackedNames, SavePlanOptions, TensorSpec
+from raydcp.planner import PackedNames, TensorSpec
 from raydcp.planner.layouts import chunk_bounds
 from raydcp.state import flatten_state
 from raydcp.transport import decode, encode
@@ -57,13 +57,13 @@ def _save_and_compare(tmp_path, monkeypatch, staged_by_rank, max_file_bytes=256 
     written = {}
     real_write = save_engine.write_rank_files
 
-    def spy(storage, plan, staged, read=None):
+    def spy(storage, plan, staged, read=None, **kw):
         written[plan.rank] = (plan, list(staged.plan.items))
-        return real_write(storage, plan, staged, read)
+        return real_write(storage, plan, staged, read, **kw)
 
     monkeypatch.setattr(save_engine, "write_rank_files", spy)
     world = len(staged_by_rank)
-    options = SavePlanOptions(max_file_bytes=max_file_bytes)
+    options = SaveOptions(max_file_bytes=max_file_bytes)
     _, errs = run_ranks(world, lambda tp: save_with(tp, {}, str(ck), options=options, staged=staged_by_rank[tp.rank]))
     assert errs == [None] * world
     md = raydcp.read_metadata(ck)
@@ -236,3 +236,65 @@ def test_a_record_that_disagrees_with_the_plan_is_refused():
         tensor_metas(tensors, [StorageRecord.from_rows([("w", (0,), (4,), "f", 0, 16, 1, ())])])
     with pytest.raises(ValueError, match="differ in length"):
         StorageRecord(("w",), [0, 0], [1], [[0]], [[1]], ("f",), [0], [0], [4], [1])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compressed_rows_commit_their_codec_and_stored_length_as_built_piece_by_piece(seed):
+    """Records with compressed pieces (codec and stored columns) next to all-raw records (none):
+    the columnar commit gives the metadata a ChunkMeta per piece gives, and it decodes back."""
+    from raydcp.metadata import COMPRESSED_FORMAT_VERSION, COMPRESSIONS
+    from raydcp.metadata_format import decode_metadata
+
+    rnd = random.Random(100 + seed)
+    tensors = {f"k{t:03d}": TensorSpec("float32", rnd.choice([(9,), (6, 4), (5, 2, 3)])) for t in range(12)}
+    tensors["big"] = TensorSpec("float32", (2 * BLOCK_BYTES + 7,))  # pieces over one checksum block
+    records, rows = _random_rows(rnd, tensors, 4)
+    packed_records, want_rows = [], []
+    for r, rec in enumerate(records):  # a raw piece lists one checksum per block where over one block
+        rrows = [(*row[:7], tuple(rnd.randrange(1 << 32) for _ in range(-(-row[5] // BLOCK_BYTES)))
+                  if row[5] > BLOCK_BYTES else ()) for row in rec.rows()]
+        rec = StorageRecord.from_rows(rrows)
+        if r % 2:  # odd ranks compress about half of their pieces; even ranks write raw (no columns)
+            codec = [rnd.choice([0, 1, 2]) for _ in rrows]
+            rrows = [(*row[:7], () if k else row[7]) for row, k in zip(rrows, codec)]
+            stored = [rnd.randrange(1, row[5] + 1) if k else row[5] for row, k in zip(rrows, codec)]
+            rec = StorageRecord.from_rows(rrows, codec, stored)
+            assert rec.codec is None or rec.codec.dtype == np.uint8
+        else:
+            codec, stored = [0] * len(rrows), [row[5] for row in rrows]
+            assert rec.codec is None and rec.stored is None
+        packed_records.append(decode(encode(rec)))
+        assert packed_records[-1] == rec
+        want_rows += [(row, k, s) for row, k, s in zip(rrows, codec, stored)]
+    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in tensors}
+    for (key, off, size, file, boff, nbytes, crc, blocks), k, s in want_rows:
+        chunks[key].append(ChunkMeta(tuple(off), tuple(size), file, boff, nbytes, crc, tuple(blocks),
+                                     *((COMPRESSIONS[k - 1], s) if k else ())))
+    want = {k: TensorMeta(s.dtype, tuple(s.shape), tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+            for k, s in tensors.items()}
+    got = tensor_metas(tensors, packed_records)
+    assert dict(got.items()) == want
+    md = Metadata("s", 4, 1.0, got, {})
+    data = encode_metadata(md)
+    assert data == encode_metadata(Metadata("s", 4, 1.0, want, {}))
+    back = decode_metadata(data)
+    compressed = any(k for _, k, _ in want_rows)
+    assert (md.version == COMPRESSED_FORMAT_VERSION) == compressed and back.version == md.version
+    assert dict(back.tensors.items()) == want
+    both = StorageRecord.concat(packed_records)  # raw records' rows: codec 0, their nbytes stored
+    if compressed:
+        assert both.codec.tolist() == [k for _, k, _ in want_rows] and both.stored.tolist() == [
+            s for _, _, s in want_rows]
+    assert dict(tensor_metas(tensors, [both]).items()) == want
+
+
+def test_a_record_whose_pieces_are_all_raw_carries_no_codec_columns():
+    row = ("w", (0,), (2,), "f", 0, 8, 1, ())
+    assert StorageRecord.from_rows([row], [0], [8]).codec is None
+    rec = StorageRecord.from_rows([row, ("w", (2,), (2,), "f", 64, 8, 2, ())], [0, 2], [8, 5])
+    assert rec.stored_lengths.tolist() == [8, 5] and decode(encode(rec)) == rec
+    assert rec != StorageRecord.from_rows(list(rec.rows()))  # the codecs are part of the record
+    with pytest.raises(ValueError, match="come together"):
+        StorageRecord.from_rows([row], [1], None)
+    with pytest.raises(ValueError, match="differ in length"):
+        StorageRecord.from_rows([row], [1, 1], [4, 4])
