@@ -27,7 +27,8 @@ object store). The 4 savers run on nodes n1 and n2 (2 each) and save with ``repl
 loaders (4 or 6) run on the head node and n1. Timed: the memory load with every node alive, then
 n2 is removed (with it its savers and the copies it held) and, each repeat, the memory load from
 what is left -- n2's files from their replicas, read across nodes by the loaders that do not hold
-them -- against the disk and torch DCP loads of the same data.
+them -- against the disk and torch DCP loads of the same data. (The loaders' groups run a first,
+untimed operation before n2 joins, so that their coordinators run on the nodes that stay.)
 """
 from __future__ import annotations
 
@@ -89,19 +90,28 @@ class RaydcpRanks:
 
 
 class NodeRanks(RaydcpRanks):
-    """On a cluster: 4 saver actors on ``saver_tags``'s nodes (in blocks), 6 loader actors on
-    ``loader_tags``'s nodes (alternating), in groups of their own."""
+    """On a cluster: 6 loader actors on ``loader_tags``'s nodes (alternating), in groups of their
+    own; :meth:`add_savers` places the 4 savers."""
 
-    def __init__(self, specs: dict, saver_tags: list[str], loader_tags: list[str]):
+    def __init__(self, specs: dict, loader_tags: list[str], root: str):
         import ray
 
-        self.ray = ray
-        actor = ray.remote(num_cpus=0, max_restarts=0)(Rank)
-        self.savers = [actor.options(resources={saver_tags[r * len(saver_tags) // SAVERS]: 1})
-                       .remote(r, (SAVERS, MORE), specs) for r in range(SAVERS)]
-        self.ranks = [actor.options(resources={loader_tags[r % len(loader_tags)]: 1}).remote(r, (SAVERS, MORE), specs)
-                      for r in range(MORE)]
+        self.ray, self.specs = ray, specs
+        self.actor = ray.remote(num_cpus=0, max_restarts=0)(Rank)
+        self.savers: list = []
+        self.ranks = [self.actor.options(resources={loader_tags[r % len(loader_tags)]: 1})
+                      .remote(r, (SAVERS, MORE), specs) for r in range(MORE)]
         ray.get([a.use_groups.remote("bench-loaders") for a in self.ranks])
+        # a first operation of each loader group (a save to disk, untimed) starts its coordinator now,
+        # on the nodes there are so far: never on the node that the run removes later
+        for w in (SAVERS, MORE):
+            ray.get([a.prepare.remote("warm", w, "save") for a in self.ranks[:w]])
+            ray.get([a.save.remote("warm", w, os.path.join(root, f"loaders-{w}")) for a in self.ranks[:w]])
+
+    def add_savers(self, tags: list[str]) -> None:
+        """The 4 savers, in blocks over the nodes of ``tags``."""
+        self.savers = [self.actor.options(resources={tags[r * len(tags) // SAVERS]: 1})
+                       .remote(r, (SAVERS, MORE), self.specs) for r in range(SAVERS)]
 
     def save(self, kind: str, path: str) -> float:
         self.ray.get([a.prepare.remote(kind, SAVERS, "save") for a in self.savers])
@@ -123,7 +133,7 @@ def run_nodes(args, specs: dict, root: str, env: dict, loads: LoadRange) -> tupl
     os.environ["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + os.environ.get("PYTHONPATH", "")
     node = dict(num_cpus=4, object_store_memory=max(512 * MIB, 3 * size))
     cluster = Cluster(initialize_head=True, head_node_args=dict(include_dashboard=False, resources={"n0": 100}, **node))
-    workers = {tag: cluster.add_node(resources={tag: 100}, **node) for tag in ("n1", "n2")}
+    workers = {"n1": cluster.add_node(resources={"n1": 100}, **node)}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR", runtime_env={"env_vars": env})
     disk, dcp_dir = os.path.join(root, "raydcp"), os.path.join(root, "dcp")
@@ -132,7 +142,10 @@ def run_nodes(args, specs: dict, root: str, env: dict, loads: LoadRange) -> tupl
     try:
         log("starting torch DCP's gloo processes and raydcp's actors on 3 nodes")
         pool = DcpPool(specs, (SAVERS, MORE))
-        ranks = NodeRanks(specs, ["n1", "n2"], ["n0", "n1"])
+        ranks = NodeRanks(specs, ["n0", "n1"], root)
+        workers["n2"] = cluster.add_node(resources={"n2": 100}, **node)  # the node to lose, added last
+        cluster.wait_for_nodes()
+        ranks.add_savers(["n1", "n2"])
         mem_url = "raymem://bench-restore-nodes/ckpt"
         log("warming up and saving (untimed)")
         warm = "raymem://bench-warm-nodes/ckpt"

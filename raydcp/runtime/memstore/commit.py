@@ -15,7 +15,7 @@ from ...storage import METADATA_NAME
 from . import placement
 from .capacity import release_after_commit
 
-__all__ = ["publish", "retain", "checkpoint_dir"]
+__all__ = ["publish", "retain", "checkpoint_dir", "lost_reason"]
 
 
 def publish(fs, path: str, data: bytes) -> None:
@@ -88,3 +88,15 @@ def checkpoint_dir(path: str) -> str:
     if "/data/" in path:
         return path.split("/data/", 1)[0]
     return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def lost_reason(fs, path: str) -> str | None:
+    """Why a file that a committed checkpoint names has no copy left (the placement its metadata
+    recorded), if one does name it."""
+    meta = f"{checkpoint_dir(path)}/{METADATA_NAME}"
+    for nodes in fs._call_all("placement_of", meta, path).values():
+        if nodes:
+            return (f"{fs._url(path)} has no live copy: the node(s) that held it ({', '.join(nodes)}) left the "
+                    "cluster. Load a checkpoint held elsewhere (a storage tier), or save with more "
+                    "storage_options['replicas']")
+    return None

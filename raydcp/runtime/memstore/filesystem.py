@@ -21,10 +21,9 @@ primitives it calls onto the holders of :mod:`raydcp.runtime.memstore.holder`:
   by range; a file with no live copy is a FileNotFoundError naming it.
 - ``info`` / ``ls`` / ``find`` / ``rm``: over the union of the alive nodes' holders.
 
-Options (``storage_options``): ``replicas`` (copies on other nodes; default 1 when more than one
-node is alive, else 0), ``keep_last`` (committed checkpoints kept per NAME, default 1; 0 keeps
-all), ``node_cap_bytes`` (bytes one node's holder may hold; default ``RAYDCP_MEMSTORE_NODE_CAP_BYTES``
-or unbounded), ``timeout_s`` (a holder that does not answer in time fails the call, default 300).
+Options (``storage_options``, docs/memory.md): ``replicas`` (default 1 with several alive nodes),
+``keep_last`` (default 1; 0 keeps all), ``node_cap_bytes`` (default ``RAYDCP_MEMSTORE_NODE_CAP_BYTES``
+or none), ``timeout_s`` (a holder that does not answer in time fails the call, default 300).
 """
 from __future__ import annotations
 
@@ -110,14 +109,12 @@ class RayMemFileSystem(AbstractFileSystem):
         placement.ensure_ray(self._url(path))
 
     def _holders(self, nodes: list[str]) -> dict[str, Any]:
-        """The holders to ask about files on ``nodes``: those that run (a memory tier's copies die
-        with their holder, so a node without one holds nothing)."""
+        """The holders to ask about ``nodes``' files: those that run (copies die with their holder)."""
         return placement.existing_holders(nodes, self._kind)
 
     def _call_all(self, method: str, *args) -> dict[str, Any]:
-        """Call ``method`` on the holder of every alive node that runs one; ``{node: result}``
-        of those that answered (a holder lost with its node is skipped; where a holder outlives
-        nothing it held, :meth:`_holders` of a disk tier, a dead one is replaced and asked again)."""
+        """``{node: result}`` of ``method`` on the holder of every alive node (:meth:`_holders`) that
+        answered; a dead one is replaced and asked again where :meth:`_holders` starts one."""
         holders = self._holders(placement.alive_nodes())
         refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
         out = {}
@@ -186,9 +183,8 @@ class RayMemFileSystem(AbstractFileSystem):
         return targets
 
     def _gather(self, nodes: list[str], refs: list, what: str, again=None) -> list:
-        """The results of ``refs`` (calls on the holders of ``nodes``). ``again()``, where given,
-        makes the calls anew: used once where a holder died on a node that is still alive (a disk
-        tier's holder: its files outlive it, and its successor finds them again)."""
+        """The results of ``refs`` (calls on the holders of ``nodes``); ``again()`` makes them anew,
+        once, where a holder died on a live node (a disk tier's: its successor finds its files)."""
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -236,12 +232,6 @@ class RayMemFileSystem(AbstractFileSystem):
         holders = [placement.holder(n, self._kind) for n in nodes]
         self._gather(nodes, [h.store_bytes.remote(path, data, created_ns, tuple(nodes), where) for h in holders],
                      f"publish {self._url(path)}")
-
-    @staticmethod
-    def _checkpoint_dir(path: str) -> str:
-        from .commit import checkpoint_dir
-
-        return checkpoint_dir(path)
 
     def node_of(self, path) -> str | None:
         """The node that holds ``path`` (its writer's node where it still does): where work on
@@ -394,13 +384,10 @@ class RayMemFileSystem(AbstractFileSystem):
                     out[i] = FileNotFoundError(why)
 
     def _pull(self, holder, path: str) -> np.ndarray | None:
-        """The whole of data file ``path`` from ``holder``'s node, pulled into this node's object
-        store by Ray's object transfer (one per node: every reader process here shares the copy)
-        and kept like a local copy for the next ranges; None where the holder has no such object.
-
-        Why the whole file: a load reads a file in many ranges, often one per piece, and a call to
-        a holder on another node per range costs far more than the transfer of the bytes; files
-        are at most ``max_file_bytes`` (256 MiB by default) unless one piece is larger."""
+        """Data file ``path`` pulled whole from ``holder``'s node into this node's object store (one
+        object transfer, shared by the node's readers), kept like a local copy; None if not held
+        there. A load reads a file in many ranges, and a call to another node per range costs far
+        more than moving the file (at most ``max_file_bytes``, 256 MiB by default)."""
         boxed = ray.get(holder.lookup.remote([path]), timeout=self.timeout_s).get(path)
         if not boxed:
             return None
@@ -410,14 +397,9 @@ class RayMemFileSystem(AbstractFileSystem):
         return arr
 
     def _lost(self, path: str) -> str | None:
-        """Why a file that a committed checkpoint names has no copy left, if one does name it."""
-        meta = f"{self._checkpoint_dir(path)}/{METADATA_NAME}"
-        for nodes in self._call_all("placement_of", meta, path).values():
-            if nodes:
-                return (f"{self._url(path)} has no live copy: the node(s) that held it ({', '.join(nodes)}) left the "
-                        "cluster. Load a checkpoint held elsewhere (a storage tier), or save with more "
-                        "storage_options['replicas']")
-        return None
+        from .commit import lost_reason
+
+        return lost_reason(self, path)
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         return bytes(self.cat_ranges([path], [start], [end], on_error="raise")[0])
