@@ -16,6 +16,15 @@ Scenarios (each library, every repeat):
                   starting the 2 added actors and allocating the pieces itself (timed);
                   DCP: save by the 4 ranks + resharded load onto 6 ranks (the save of (1), then a load)
   (5) small       4 ranks save and load the small set
+  (6) first operation of a Group (raydcp only): the large save by the 4 ranks, and the save of a
+      tiny state (4 tensors of 48 x 8 floats: fixed costs only), each
+      warm        on the group the ranks have used since the warm-up
+      cold group  on a Group name never used before (a new one each repeat)
+      host not started  on a new Group name right after the cluster's coordinator host was killed
+                  (and waited for until dead), so the operation starts it, as the first operation
+                  in a fresh Ray instance does; cold and warm alternate in order each repeat.
+                  The very first operation of the run (the warm-up's first save, small) is
+                  reported too: it also pays the ranks' own first raydcp call
 
 Peers, at equal durability (data fsynced before the checkpoint commits):
   torch DCP  6 processes in one gloo world on 127.0.0.1 (``dist.init_process_group("gloo")``),
@@ -42,6 +51,7 @@ Medians of --repeats; ratios are DCP time / raydcp time.
     python bench/distributed.py                                  # full size, a few minutes on 2 cores
     python bench/distributed.py --mib 64 --small 512 --repeats 1 # quick
     python bench/distributed.py --profile                        # + cProfile of raydcp inside an actor
+    python bench/distributed.py --first-op-only                  # only (6), raydcp alone
 """
 from __future__ import annotations
 
@@ -57,6 +67,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 import warnings
 from pathlib import Path
 
@@ -285,6 +296,11 @@ class Rank:
     def load(self, kind: str, w: int, path: str) -> dict:
         return self._op(lambda: self.raydcp.load(self.states[kind, w], path, group=self.groups[w]))
 
+    def save_as(self, kind: str, w: int, path: str, group_name: str) -> dict:
+        """A save under a Group named ``group_name`` (a name never used before: a cold group)."""
+        group = self.raydcp.Group(group_name, self.rank, w, timeout_s=CMD_TIMEOUT_S)
+        return self._op(lambda: self.raydcp.save(self.states[kind, w], path, group=group))
+
     def _op(self, fn) -> dict:
         t0 = time.perf_counter()
         if self.profile is not None:
@@ -319,10 +335,11 @@ class Rank:
 _RAY_FUNCS = {"get_objects", "put_object", "_actor_method_call", "deserialize_objects"}
 
 
-def _profile_summary(prof: cProfile.Profile) -> dict[str, tuple[float, float, int]]:
+def _profile_summary(prof: "cProfile.Profile | pstats.Stats") -> dict[str, tuple[float, float, int]]:
     """{function: (cumulative s, own s, calls)} for raydcp's functions, the builtins and Ray's get/put."""
     out: dict[str, tuple[float, float, int]] = {}
-    for (fn, _, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items():
+    stats = prof if isinstance(prof, pstats.Stats) else pstats.Stats(prof)
+    for (fn, _, name), (_, nc, tt, ct, _) in stats.stats.items():
         if "raydcp/" in fn:
             label = fn[fn.rindex("raydcp/"):] + ":" + name
         elif fn == "~":
@@ -345,19 +362,42 @@ def _profile_table(cols: dict[str, dict], top: int = 20) -> str:
 
 
 def _profiling_host_cls():
-    """raydcp's coordinator host, profiling its event-loop thread (where the reduce functions run) on request."""
-    from raydcp.runtime.actors import CoordinatorHost
+    """raydcp's coordinator host, profiling on request its event-loop thread and the worker threads
+    where the reductions run (decoding the plans, planning, encoding the replies)."""
+    from raydcp.runtime.coordinator_host import CoordinatorHost
 
     class ProfilingCoordinatorHost(CoordinatorHost):
         prof = None
+        reductions: list = []
 
         async def prof_start(self) -> None:
+            self.reductions = []
             self.prof = cProfile.Profile()
             self.prof.enable()
 
         async def prof_stop(self) -> dict:
             self.prof.disable()
-            return _profile_summary(self.prof)
+            stats = pstats.Stats(self.prof)
+            for p in self.reductions:
+                stats.add(p)
+            self.prof = None
+            return _profile_summary(stats)
+
+        def _reduction(self, step, reduce_fn):
+            run = super()._reduction(step, reduce_fn)
+            if self.prof is None:
+                return run
+
+            def profiled(values):  # in a worker thread: a profiler of its own, merged at the end
+                prof = cProfile.Profile()
+                prof.enable()
+                try:
+                    return run(values)
+                finally:
+                    prof.disable()
+                    self.reductions.append(prof)
+
+            return profiled
 
     return ProfilingCoordinatorHost
 
@@ -458,6 +498,7 @@ class RayDcpSide:
         self.cls = _timed_shard_actor_cls()
         self.group = None  # ShardGroup(4) holding the large state, loaded once (untimed)
         self.reshard_breakdown: list[dict] = []
+        self.very_first: float | None = None
 
     def _save(self, kind: str, path: str) -> float:
         ray, actors = self.ray, self.ranks[:SAVERS]
@@ -466,6 +507,50 @@ class RayDcpSide:
         t0 = time.perf_counter()
         ray.get([a.save.remote(kind, SAVERS, path) for a in actors])
         return time.perf_counter() - t0
+
+    def _save_as(self, kind: str, path: str, group_name: str) -> float:
+        ray, actors = self.ray, self.ranks[:SAVERS]
+        refill_free_memory()
+        ray.get([a.prepare.remote(kind, SAVERS, "save") for a in actors])
+        t0 = time.perf_counter()
+        ray.get([a.save_as.remote(kind, SAVERS, path, group_name) for a in actors])
+        return time.perf_counter() - t0
+
+    def _kill_host(self) -> bool:
+        """Kill the cluster's coordinator host and wait until it is dead; False where this raydcp
+        has no cluster-wide host (one per group: a cold group already starts one)."""
+        from raydcp.runtime import actors
+
+        if not hasattr(actors, "host_name"):
+            return False
+        ray = self.ray
+        try:
+            host = ray.get_actor(actors.host_name(), namespace=actors.NAMESPACE)
+        except ValueError:
+            return True
+        ray.kill(host)
+        while True:
+            try:
+                ray.get(host.ready.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                return True
+
+    def first_operations(self, root: str, rep: int) -> dict:
+        """(6): a save on the warm group, on a new group, and on a new group with no host; for the
+        large state and for the tiny one (where the fixed costs are all there is)."""
+        path = os.path.join(root, "raydcp-first")
+        out = {}
+        for kind, suffix in (("large", ""), ("warm", FIRST_TINY)):
+            tag = uuid.uuid4().hex[:8]
+            cases = [("warm operation", lambda: self._save(kind, path)),
+                     ("first operation (cold group)", lambda: self._save_as(kind, path, f"bench-cold-{tag}"))]
+            for what, run in cases[rep % 2:] + cases[:rep % 2]:
+                out[what + suffix] = run()
+                shutil.rmtree(path)
+            if self._kill_host():
+                out["first operation (host not started)" + suffix] = self._save_as(kind, path, f"bench-fresh-{tag}")
+                shutil.rmtree(path)
+        return out
 
     def _load(self, w: int, kind: str, path: str) -> float:
         ray, actors = self.ray, self.ranks[:w]
@@ -521,7 +606,9 @@ class RayDcpSide:
 
     def warm_up(self, root: str) -> str:
         path = os.path.join(root, "raydcp-warm")
-        self._save("warm", path)
+        first = self._save("warm", path)
+        if self.very_first is None:  # the first raydcp operation in this Ray instance
+            self.very_first = first
         self._load(SAVERS, "warm", path)
         self._load(RESHARD_LOAD, "warm", path)
         shutil.rmtree(path)
@@ -560,22 +647,27 @@ class RayDcpSide:
         out["small load"] = self._load(SAVERS, "small", spath)
         shutil.rmtree(path)
         shutil.rmtree(spath)
+        out.update(self.first_operations(root, self._reps))
+        self._reps += 1
         return out
+
+    _reps = 0
 
     def run_profile(self, root: str) -> dict[str, str]:
         """One more of each operation (untimed), profiled in every taking part actor and in the coordinator.
 
-        The operations run in groups of their own whose coordinator hosts are started here, as
-        profiling ones (raydcp's ranks find them by name). File writes run in a thread pool, not
-        profiled: in a rank they show as the wait for it (``acquire``).
+        The cluster's coordinator host is replaced here by a profiling one under its name (the
+        ranks' first call finds the old one dead and takes the new one). File writes run in a
+        thread pool, not profiled: in a rank they show as the wait for it (``acquire``).
         """
         from raydcp import ShardGroup
+        from raydcp.runtime import actors as runtime_actors
 
         ray, prefix = self.ray, "bench-dist-prof"
-        host_cls = ray.remote(_profiling_host_cls())
-        hosts = {w: host_cls.options(name=f"raydcp:{prefix}-{w}", namespace="raydcp", num_cpus=0,
-                                     max_concurrency=1000).remote(f"{prefix}-{w}", 0)
-                 for w in (SAVERS, RESHARD_LOAD)}
+        self._kill_host()
+        host = ray.remote(_profiling_host_cls()).options(**runtime_actors.host_options()).remote()
+        ray.get(host.ready.remote())
+        hosts = {w: host for w in (SAVERS, RESHARD_LOAD)}
         ray.get([a.use_groups.remote(prefix) for a in self.ranks])
         out = {}
         path, spath = os.path.join(root, "raydcp-prof"), os.path.join(root, "raydcp-prof-small")
@@ -591,8 +683,7 @@ class RayDcpSide:
             cols = dict(zip([f"rank {r}" for r in range(w)], ray.get([a.set_profile.remote(False) for a in actors])))
             cols["coordinator"] = ray.get(hosts[w].prof_stop.remote())
             out[f"{name}: {t:.2f} s"] = _profile_table(cols)
-        for h in hosts.values():
-            ray.kill(h)
+        self._kill_host()  # the next operation starts an ordinary one
         self.group.shutdown()  # its memory, for the profiled group
         group = ShardGroup(SAVERS, num_gpus_per_actor=0, timeout_s=CMD_TIMEOUT_S,
                            _actor_cls=_timed_shard_actor_cls(True))
@@ -659,6 +750,37 @@ def report(med: dict, best: dict, sizes: dict, n: int, breakdown: dict) -> tuple
     return "\n".join(text), ratios, {c[0]: c[4] for c in checks}
 
 
+FIRST_OPS = ["warm operation", "first operation (cold group)", "first operation (host not started)"]
+FIRST_TINY = ", tiny state"  # the 'warm' set: 4 tensors of 48 x 8 floats
+
+
+def first_op_report(times: dict[str, list[float]], very_first: float | None, n: int) -> tuple[str, dict, dict]:
+    """(6): the first operation of a Group against a warm one (raydcp alone, medians of n)."""
+    text, ratios, checks = [], {}, []
+    for suffix, what in (("", "the large save by 4 ranks"), (FIRST_TINY, "the tiny save by 4 ranks (4 tensors)")):
+        med = {op: median(times[op + suffix]) for op in FIRST_OPS if op + suffix in times}
+        warm = med["warm operation"]
+        rows = [[op, med[op], min(times[op + suffix]), med[op] / warm, med[op] - warm] for op in med]
+        text += [table([f"raydcp: {what}", "median s", f"best of {n} s", "/ warm", "on top of warm s"], rows), ""]
+        cold = med["first operation (cold group)"]
+        ratios[f"cold group / warm{suffix}"] = cold / warm
+        ratios[f"cold group - warm s{suffix}"] = cold - warm
+        if "first operation (host not started)" in med:
+            ratios[f"host not started / warm{suffix}"] = med["first operation (host not started)"] / warm
+        if not suffix:
+            checks.append(("first operation of a new Group within 2x of a warm one (large save)", cold / warm,
+                           "<= 2", cold / warm <= 2))
+        checks.append((f"... under 0.5 s on top of a warm one ({'tiny' if suffix else 'large'} save)", cold - warm,
+                       "<= 0.5 s", cold - warm <= 0.5))
+    if very_first is not None:
+        text += [f"The run's very first raydcp operation (the warm-up's save of the tiny set in a fresh Ray "
+                 f"instance: it starts the coordinator host and is also each rank's first raydcp call): "
+                 f"{very_first:.2f} s.", ""]
+    text += [table(["goal", "measured (medians)", "target", "status"], [[c[0], c[1], c[2], goal(c[3])] for c in checks]),
+             ""]
+    return "\n".join(text), ratios, {c[0]: c[3] for c in checks}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="directory to write checkpoints in (default: a temp dir under /tmp)")
@@ -667,6 +789,8 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=4096, help="small tensors per rank (64 floats each per rank)")
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile raydcp's operations inside an actor (untimed)")
+    ap.add_argument("--first-op-only", action="store_true",
+                    help="only scenario (6), the first operation of a Group (raydcp alone, no DCP)")
     args = ap.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the temp dir is removed when killed
@@ -690,18 +814,19 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {}
     profiles = {}
     try:
-        log("starting torch DCP's gloo processes and raydcp's actors")
-        sides = [DcpSide(specs), RayDcpSide(specs)]
+        log("starting raydcp's actors" if args.first_op_only else "starting torch DCP's gloo processes and raydcp's actors")
+        sides = [RayDcpSide(specs)] if args.first_op_only else [DcpSide(specs), RayDcpSide(specs)]
         log("warming up (untimed)")
         for side in sides:
             t0 = time.perf_counter()
             what = side.warm_up(root)
             log(f"  {side.name}: warm-up {what} verified in {time.perf_counter() - t0:.1f} s")
-        sides[1].setup_group(root)
+        if not args.first_op_only:
+            sides[1].setup_group(root)
         for rep in range(args.repeats):
             order = sides[rep % 2:] + sides[:rep % 2]
             for side in order:
-                res = side.repeat(root)
+                res = side.first_operations(root, rep) if args.first_op_only else side.repeat(root)
                 for op, t in res.items():
                     times.setdefault(side.name, {}).setdefault(op, []).append(t)
                 log(f"  repeat {rep + 1}/{args.repeats} {side.name:9s} "
@@ -718,9 +843,17 @@ def main() -> None:
 
     med = {lib: {op: median(ts) for op, ts in d.items()} for lib, d in times.items()}
     best = {lib: {op: min(ts) for op, ts in d.items()} for lib, d in times.items()}
-    bd = sides[1].reshard_breakdown
-    breakdown = {k: median([b[k] for b in bd]) for k in ("total", "until_all_arrived", "transfer", "after")}
-    text, ratios, goals = report(med, best, sizes, args.repeats, breakdown)
+    raydcp_side = sides[-1]
+    first_text, first_ratios, first_goals = first_op_report(times["raydcp"], raydcp_side.very_first, args.repeats)
+    if args.first_op_only:
+        text, ratios, goals, bd = "", {}, {}, []
+    else:
+        bd = raydcp_side.reshard_breakdown
+        breakdown = {k: median([b[k] for b in bd]) for k in ("total", "until_all_arrived", "transfer", "after")}
+        text, ratios, goals = report(med, best, sizes, args.repeats, breakdown)
+    text += "\n### the first operation of a Group\n\n" + first_text
+    ratios.update(first_ratios)
+    goals.update(first_goals)
     info["loadavg_during"] = str(loads)
     print(f"\n## distributed  ({info['date']}, {info['nproc']} CPUs, {info['mem_gib']} GiB RAM;"
           f" 1-minute load average during the run {loads})\n")
@@ -731,7 +864,7 @@ def main() -> None:
     print(text)
     for what, prof in profiles.items():
         print(f"\n--- cProfile raydcp {what}\n\n{prof}")
-    out = save_json("distributed", {"machine": info, "args": vars(args), "sizes": sizes, "times": times,
+    out = save_json("distributed-first-op" if args.first_op_only else "distributed", {"machine": info, "args": vars(args), "sizes": sizes, "times": times,
                                     "median": med, "best": best, "reshard_breakdown": bd, "ratios": ratios,
                                     "goals": goals})
     log(f"results: {out}")

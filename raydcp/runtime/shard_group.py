@@ -370,6 +370,8 @@ class ShardGroup:
                 self._broken = "some of its actors are stuck in an earlier operation"
                 raise CheckpointError(f"ShardGroup '{self.name}' cannot {what}: {self._broken}")
             self._stragglers = []
+        if self._info is None and what != "start":  # the first operation: every actor up first, so that
+            self.info  # noqa: B018  (no rank's timeout_s is spent waiting for another's start)
         if need_state and self._specs is None:
             raise CheckpointError(f"ShardGroup '{self.name}' holds no state to {what}; call .load(checkpoint_id) first")
 
