@@ -114,19 +114,19 @@ def plan_layout_transfer(specs: Specs, old_layout: str, n: int, new_layout: str,
     local: list[list[Move]] = [[] for _ in range(m)]
     remote: dict[tuple[int, int], list[Move]] = {}
     sent = [0] * n
+    geometry: dict[tuple, list] = {}  # the boxes depend on the shape only: worked out once per shape
     for key, (shape, dtype) in specs.items():
         shape = tuple(shape)
+        geo = geometry.get(shape)
+        if geo is None:
+            geo = geometry[shape] = _geometry(shape, old_layout, n, new_layout, m)
         isz = itemsize(dtype)
-        for j in range(m):
-            box = piece_box(shape, new_layout, j, m) or ((0,) * len(shape), shape)
-            if not _count(box[1]):
-                continue
-            holders = _holders(shape, old_layout, n, box)
+        for j, holders, box in geo:
             if holders is None:  # every old rank holds it whole
                 i = reuse[j] if reuse[j] is not None else min(range(n), key=lambda r: (sent[r], abs(r * m - j * n), r))
-                holders = [(i, box)]
-            for i, (off, sz) in holders:
-                mv = Move(key, dtype, off, sz, _count(sz) * isz)
+                holders = ((i, box),)
+            for i, (off, sz, count) in holders:
+                mv = Move(key, dtype, off, sz, count * isz)
                 if reuse[j] == i:
                     local[j].append(mv)
                 else:
@@ -135,19 +135,32 @@ def plan_layout_transfer(specs: Specs, old_layout: str, n: int, new_layout: str,
     return LayoutTransfer(n, m, reuse, tuple(tuple(x) for x in local), {k: tuple(v) for k, v in remote.items()})
 
 
-def _holders(shape: tuple[int, ...], layout: str, n: int, box) -> list | None:
-    """``(old rank, its part of box)`` for every old rank holding part of ``box``; None if all hold it whole."""
+def _geometry(shape: tuple[int, ...], old_layout: str, n: int, new_layout: str, m: int) -> list:
+    """For each new rank with a non-empty piece of a tensor of ``shape``: ``(rank, holders, its box)``,
+    boxes as ``(offsets, sizes, element count)``; holders as :func:`_holders`."""
+    out = []
+    for j in range(m):
+        off, sz = piece_box(shape, new_layout, j, m) or ((0,) * len(shape), shape)
+        count = _count(sz)
+        if count:
+            out.append((j, _holders(shape, old_layout, n, off, sz), (off, sz, count)))
+    return out
+
+
+def _holders(shape: tuple[int, ...], layout: str, n: int, offsets, sizes) -> list | None:
+    """``(old rank, its part of the box)`` for every old rank holding part of the box ``offsets, sizes``,
+    parts as ``(offsets, sizes, element count)``; None if every old rank holds the tensor whole."""
     d = shard_dim(shape, layout)
     if d is None:
         return None
-    offsets, sizes = box
     lo, hi = offsets[d], offsets[d] + sizes[d]
     step = -(-shape[d] // n)
     out = []
     for i in range(lo // step, min(n, -(-hi // step))):
         a, b = max(lo, i * step), min(hi, (i + 1) * step, shape[d])
         if a < b:
-            out.append((i, (offsets[:d] + (a,) + offsets[d + 1:], sizes[:d] + (b - a,) + sizes[d + 1:])))
+            part = sizes[:d] + (b - a,) + sizes[d + 1:]
+            out.append((i, (offsets[:d] + (a,) + offsets[d + 1:], part, _count(part))))
     return out
 
 

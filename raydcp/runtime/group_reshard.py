@@ -48,7 +48,8 @@ def run_reshard(old: "ShardGroup", new: "ShardGroup", reuse: list, specs: dict, 
     t0, wall0 = time.perf_counter(), time.time()
     n, m = old.world_size, new.world_size
     plan = plan_layout_transfer(specs, old.layout, n, new.layout, m, reuse)
-    messages = dict(plan.remote)
+    # moves travel as plain tuples (a NamedTuple costs Ray's pickler a Python call each)
+    messages = {pair: [tuple(mv) for mv in moves] for pair, moves in plan.remote.items()}
     values_from: list = [None] * m
     for j in range(m):
         if not keys:
@@ -76,7 +77,7 @@ def run_reshard(old: "ShardGroup", new: "ShardGroup", reuse: list, specs: dict, 
     added = [j for j, i in enumerate(reuse) if i is None]
     refs, groups = {}, {}
     for j, actor in enumerate(new.actors):
-        local = (old.name, reuse[j], plan.local[j]) if reuse[j] is not None else None
+        local = (old.name, reuse[j], [tuple(mv) for mv in plan.local[j]]) if reuse[j] is not None else None
         incoming = [(i, moves) for (i, jj), moves in sorted(messages.items()) if jj == j]
         args = (new.name, j, m, specs, keys, new.layout, old.name, local)
         if direct:

@@ -35,23 +35,25 @@ __all__ = ["region", "outgoing", "copy_in", "copy_local", "plain_values"]
 
 
 def region(state: dict, mv: Move, who: str) -> torch.Tensor:
-    """The view of the piece ``state`` holds for ``mv.key`` that covers ``mv``'s box."""
-    held = state.get(mv.key)
+    """The view of the piece ``state`` holds for ``mv``'s key that covers ``mv``'s box (``mv``: a Move
+    or a plain tuple of its fields, as moves travel)."""
+    key, dtype, offsets, sizes, _ = mv
+    held = state.get(key)
     if isinstance(held, Shard):
         t, base = held.tensor, held.offsets
     elif isinstance(held, torch.Tensor):
         t, base = held, (0,) * held.dim()
     else:
-        raise CheckpointError(f"{mv.key}: {who} holds no tensor for it (found {type(held).__name__}); the state "
+        raise CheckpointError(f"{key}: {who} holds no tensor for it (found {type(held).__name__}); the state "
                               f"of a ShardGroup must keep the pieces it loaded or received")
-    if dtype_name(t.dtype) != mv.dtype or t.dim() != len(mv.offsets) or any(
-            o < b or o + s > b + n for o, s, b, n in zip(mv.offsets, mv.sizes, base, t.shape)):
-        box = [(o, o + s) for o, s in zip(mv.offsets, mv.sizes)]
+    if dtype_name(t.dtype) != dtype or t.dim() != len(offsets) or any(
+            o < b or o + s > b + n for o, s, b, n in zip(offsets, sizes, base, t.shape)):
+        box = [(o, o + s) for o, s in zip(offsets, sizes)]
         held_box = [(b, b + n) for b, n in zip(base, t.shape)]
-        raise CheckpointError(f"{mv.key}: {who} holds a {dtype_name(t.dtype)} piece over {held_box}, not the "
-                              f"{mv.dtype} box {box} its layout gives it; the state of a ShardGroup must keep the "
+        raise CheckpointError(f"{key}: {who} holds a {dtype_name(t.dtype)} piece over {held_box}, not the "
+                              f"{dtype} box {box} its layout gives it; the state of a ShardGroup must keep the "
                               f"pieces it loaded or received (reload it with .load(checkpoint_id, layout=...))")
-    for d, (o, s, b) in enumerate(zip(mv.offsets, mv.sizes, base)):
+    for d, (o, s, b) in enumerate(zip(offsets, sizes, base)):
         if o != b or s != t.shape[d]:
             t = t.narrow(d, o - b, s)
     return t
@@ -89,8 +91,8 @@ def copy_in(state: dict, moves: Sequence[Move], bufs: Sequence[Any], who: str, s
     for mv, buf in zip(moves, bufs):
         dest = region(state, mv, who)
         nbytes = buf.nbytes if isinstance(buf, (np.ndarray, torch.Tensor)) else memoryview(buf).nbytes
-        if nbytes != mv.nbytes:
-            raise CheckpointError(f"{mv.key}: {who} got {nbytes} bytes from {source} for a box of {mv.nbytes} bytes")
+        if nbytes != mv[4]:
+            raise CheckpointError(f"{mv[0]}: {who} got {nbytes} bytes from {source} for a box of {mv[4]} bytes")
         if not nbytes:
             continue
         if isinstance(buf, torch.Tensor):  # RDT: a uint8 tensor on the pieces' device
@@ -102,7 +104,7 @@ def copy_in(state: dict, moves: Sequence[Move], bufs: Sequence[Any], who: str, s
             src = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
             ctypes.memmove(dest.data_ptr(), src.ctypes.data, nbytes)
         else:
-            dest.copy_(tensor_from_bytes(buf, mv.dtype, tuple(mv.sizes)))
+            dest.copy_(tensor_from_bytes(buf, mv[1], tuple(mv[3])))
         total += nbytes
     return total
 
@@ -111,9 +113,9 @@ def copy_local(src: dict, dest: dict, moves: Iterable[Move], who: str, src_who: 
     """Copy ``moves`` from the old pieces ``src`` to the new pieces ``dest`` of the same actor; returns bytes."""
     total = 0
     for mv in moves:
-        if mv.nbytes:
+        if mv[4]:
             region(dest, mv, who).copy_(region(src, mv, src_who))
-            total += mv.nbytes
+            total += mv[4]
     return total
 
 

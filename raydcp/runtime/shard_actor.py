@@ -90,7 +90,7 @@ class ShardActor:
         self._at("reshard: publish", None)
         out = self._outcome(lambda: publish(self._state(slot), f"rank {rank} of ShardGroup '{slot}'", moves,
                                             value_keys, rdt=rdt))
-        self._log("publish", t0, sum(m.nbytes for m in moves))
+        self._log("publish", t0, sum(m[4] for m in moves))
         return out
 
     def take(self, slot: str, rank: int, world_size: int, specs: Specs, value_keys: Sequence[str], layout: str,

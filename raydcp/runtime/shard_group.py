@@ -268,13 +268,13 @@ class ShardGroup:
 
         For elastic scale-up: the new workers' actors start (imports, placement) and the
         destination memory is allocated while training goes on, and the reshard then only
-        moves the pieces. With ``transport="rdt"`` the collective group RDT sends through is
-        made in the background too. Unused actors end with this group; unused pieces are
+        moves the pieces. With ``transport="rdt"`` (or None where ``reshard`` would pick it)
+        the collective group RDT sends through is made in the background too. Unused actors end with this group; unused pieces are
         freed by the next reshard or when this group shuts down.
         """
         self._begin("prepare_reshard", need_state=True)
         lay = check_layout(layout or self.layout)
-        check_transport(transport)
+        transport = choose_transport(self, check_transport(transport))
         reuse = self._reuse_plan(world_size, lay, None)
         added = [j for j, i in enumerate(reuse) if i is None]
         more = len(added) - len(self._spares)

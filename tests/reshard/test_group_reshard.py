@@ -136,6 +136,20 @@ def test_reshard_is_bit_exact_n_to_m(ray_session, odd_src, odd, transport):
         g.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["object_store", "rdt"])
+def test_reshard_onto_ranks_with_empty_pieces_still_gives_them_the_values(ray_session, tmp_path, transport):
+    tiny = {"a": torch.arange(2, dtype=torch.int32), "b": torch.ones(1, 3, dtype=torch.bfloat16), "step": 4,
+            "names": ["x"]}
+    save_as_ranks(tiny, str(tmp_path / "tiny"), 1)
+    g = raydcp.ShardGroup(1, num_gpus_per_actor=0, timeout_s=60).load(str(tmp_path / "tiny"), layout="dim0")
+    try:
+        big = g.reshard(4, transport=transport)  # ranks 2 and 3 hold empty pieces: only the values reach them
+        _holds(ray_session, big, tiny, "dim0")
+        big.shutdown()
+    finally:
+        g.shutdown()
+
+
 def _replace_piece(state: dict, key: str) -> None:
     s = state[key]
     state[key] = Shard(s.tensor.to(torch.float64), s.offsets, s.global_shape)
