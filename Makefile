@@ -18,8 +18,8 @@ demo: $(STAMP)
 # The multi-node tests (marker `cluster`) start a Ray cluster of their own, which one process cannot
 # hold beside the session's local Ray instance: they run in a second pytest process.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster"
-	$(PY) -m pytest -q -m cluster tests/cluster
+	$(PY) -m pytest -q -m "not cluster" --durations=15
+	$(PY) -m pytest -q -m cluster tests/cluster --durations=5
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydcp tests bench jobs
