@@ -178,15 +178,7 @@ def run_nodes(args, specs: dict, root: str, env: dict, loads: LoadRange) -> tupl
             return t
 
         libs = ["raymem replicas", "disk", "torch DCP"]
-        for rep in range(args.repeats):
-            order = libs[rep % len(libs):] + libs[:rep % len(libs)]
-            got = {}
-            for lib in order:
-                for w in (SAVERS, MORE):
-                    got[f"{lib} 4->{w}"] = t = run(lib, w)
-                    times.setdefault(f"{lib} 4->{w}", []).append(t)
-            log(f"  repeat {rep + 1}/{args.repeats}: " + "  ".join(f"{k} {v:.3f}" for k, v in got.items())
-                + f"  (s, verified); load average {loads.sample()}")
+        timed_repeats(libs, args.repeats, run, times, loads)
     finally:
         if ranks is not None:
             ranks.close()
@@ -195,6 +187,20 @@ def run_nodes(args, specs: dict, root: str, env: dict, loads: LoadRange) -> tupl
         ray.shutdown()
         cluster.shutdown()
     return times, saves, ["raymem all nodes", "raymem replicas", "disk", "torch DCP"]
+
+
+def timed_repeats(libs: list[str], repeats: int, run, times: dict, loads) -> None:
+    """Every library's load onto SAVERS and MORE ranks, ``repeats`` times, the order rotating from
+    repeat to repeat; ``run(lib, world)`` returns the seconds of one verified load."""
+    for rep in range(repeats):
+        order = libs[rep % len(libs):] + libs[:rep % len(libs)]
+        got = {}
+        for lib in order:
+            for w in (SAVERS, MORE):
+                got[f"{lib} 4->{w}"] = t = run(lib, w)
+                times.setdefault(f"{lib} 4->{w}", []).append(t)
+        log(f"  repeat {rep + 1}/{repeats}: " + "  ".join(f"{k} {v:.3f}" for k, v in got.items())
+            + f"  (s, verified); load average {loads.sample()}")
 
 
 def main() -> None:
@@ -278,15 +284,7 @@ def main() -> None:
             return t
 
         libs = ["raymem", "disk", "torch DCP"] + (["s3"] if s3_url else [])
-        for rep in range(args.repeats):
-            order = libs[rep % len(libs):] + libs[:rep % len(libs)]
-            got = {}
-            for lib in order:
-                for w in (SAVERS, MORE):
-                    got[f"{lib} 4->{w}"] = t = run(lib, w)
-                    times.setdefault(f"{lib} 4->{w}", []).append(t)
-            log(f"  repeat {rep + 1}/{args.repeats}: " + "  ".join(f"{k} {v:.3f}" for k, v in got.items())
-                + f"  (s, verified); load average {loads.sample()}")
+        timed_repeats(libs, args.repeats, run, times, loads)
     finally:
         if ranks is not None:
             ranks.close()
