@@ -157,10 +157,10 @@ def test_a_save_that_fails_while_writing_gives_its_room_back(name, monkeypatch):
     engine_save = sys.modules["raydcp.engine.save"]  # the module (raydcp.engine.save is also a function's name)
     write = engine_save.write_rank_files
 
-    def failing(storage, plan, staged, read=None):
+    def failing(storage, plan, staged, read=None, **kwargs):
         if plan.rank == 1:
             raise OSError("device full (injected)")
-        return write(storage, plan, staged, read)
+        return write(storage, plan, staged, read, **kwargs)
 
     monkeypatch.setattr(engine_save, "write_rank_files", failing)
     cap = _usage()["held"] + 4 * PER_RANK
@@ -181,7 +181,7 @@ class _RefusingPersister:
     def __init__(self):
         self.staged = []
 
-    def begin(self, plan, checkpoint_id, storage_options, options):
+    def begin(self, plan, checkpoint_id, storage_options, options, save_options):
         fut: cf.Future = cf.Future()
         fut.set_exception(NodeCapacityError("no room (test)", node="n", needed=2, free=1, cap=3))
         return fut
