@@ -176,7 +176,7 @@ def test_operations_run_in_the_clusters_one_host_and_leave_no_state_behind(ray_s
         assert not [n for n in names if sg.name in n], names  # no host per group or operation
         assert [n for n in names if n.startswith("raydcp-coordinator-")] == [actors.host_name()]
         state = ray_session.get(host.owner_status.remote(sg.name))  # the operations' records, under the group
-        assert state["ops"] == [] and state["records"] >= 2
+        assert state["ops"] == [] and state["records"] >= 1  # the load (reshard plans in the driver, no host)
     finally:
         sg.shutdown()
     ray_session.get(host.ready.remote())  # after the release, sent before it
