@@ -100,6 +100,8 @@ class _Round:
 class Coordinator:
     """Rendezvous point of the ranks of one operation of one group (see module doc)."""
 
+    _executor = None  # where reductions run: the loop's default executor, or the host's own
+
     def __init__(self, group_name: str, op: int, world_size: int, timeout_s: float, creator_rank: int | None = None):
         self.group_name = group_name
         self.op = op
@@ -231,7 +233,8 @@ class Coordinator:
         values = [rnd.values[r] for r in range(n)]
         if rnd.kind == _REDUCE:
             # in a worker thread: the host's event loop goes on serving the other operations
-            return await asyncio.to_thread(run_reduce, rnd.step, values, rnd.reduce_fn)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, run_reduce, rnd.step, values, rnd.reduce_fn)
         return self._route(rnd.step, values)
 
     def _route(self, step: str, outgoing_by_rank: list[Any]) -> list[Any]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure, raise_failures
@@ -66,6 +67,7 @@ class _HostedCoordinator(Coordinator):
     def __init__(self, host: "CoordinatorHost", owner: str, *args):
         super().__init__(*args)
         self._host, self._owner = host, owner
+        self._executor = host.executor
 
     def _on_end(self) -> None:
         self._host._drop(self._owner, self)
@@ -117,12 +119,14 @@ class CoordinatorHost:
     max_records = 256  # records of ended operations kept per owner
     max_idle_owners = 4096  # owners without a running operation whose records are kept
     sweep_every_s = 1.0  # how often expired records are looked for
+    reduction_threads = 32  # reductions of this many operations run at once (more wait for a thread)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         planning_pages()  # this process plans: ordinary pages for its short-lived arrays
         import raydcp.engine  # noqa: F401  (what unpickling the ranks' reductions needs, once, at start)
 
         self._now = clock
+        self.executor = ThreadPoolExecutor(self.reduction_threads, thread_name_prefix="raydcp-reduce")
         self.owners: OrderedDict[str, _Owner] = OrderedDict()  # least recently used first
         self._live = 0  # running operations, all owners together
         self._last_sweep = clock()

@@ -127,21 +127,27 @@ def test_many_groups_at_once_and_a_stalled_group_blocks_none_of_the_others():
     run(main())
 
 
-def test_a_long_planning_of_one_group_does_not_hold_up_another():
-    release, started = threading.Event(), threading.Event()
+def test_long_plannings_of_other_groups_do_not_hold_up_another():
+    """Eight groups plan at once, longer than the default executor has threads for on a small
+    machine; a ninth group's operation still completes meanwhile."""
+    release = threading.Event()
+    started = threading.Semaphore(0)
 
     def slow(values):
-        started.set()
+        started.release()
         release.wait(30)
         return list(values)
 
     async def main():
         host = CoordinatorHost()
-        slow_op = asyncio.ensure_future(rs(host, ("big", "big", 0), 1, "plan", [0, 1], slow))
-        assert await asyncio.to_thread(started.wait, 30)
-        assert await one_operation(host, ("small", "small", 0), 2) == [4, 5]  # while "big" plans
+        slow_ops = [asyncio.ensure_future(rs(host, (f"big{i}", f"big{i}", 0), 1, "plan", [0, 1], slow))
+                    for i in range(8)]
+        for _ in range(8):  # every one of them is planning, in a thread of its own
+            assert await asyncio.to_thread(started.acquire, True, 30)
+        assert await one_operation(host, ("small", "small", 0), 2) == [4, 5]  # while the big ones plan
         release.set()
-        assert [decode(v) for v in await slow_op] == [0, 1]
+        for op in slow_ops:
+            assert [decode(v) for v in await op] == [0, 1]
 
     run(main())
 
