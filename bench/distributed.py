@@ -41,6 +41,14 @@ Peers, at equal durability (data fsynced before the checkpoint commits):
              host actor starts on the warm-up operation; ``raydcp.save``/``raydcp.load`` timed from
              the driver (``ray.get`` over the actors); (4) is ``ShardGroup.reshard(6)``
 
+The disk's write limit, beside (1) (``bench/_disk_limit.py``; not with --only reshard): 4 plain
+processes, started once, write the layout of raydcp's save of the large set (the same files and
+bytes, written in the same number of threads per process, every file fsynced, then an atomic
+publish of a metadata file of the same size) without raydcp, each repeat three ways: a plain
+``write`` + ``fsync`` (what DCP's writer does), 4 MiB writes each followed by the start of its
+writeback (``sync_file_range``) + ``fsync``, and ``O_DIRECT``. The fastest way's median is the
+limit, and the save's goal is a share of it.
+
 The tensors a rank saves are the ones it loads into (as in training): they are refilled with its
 values before each save and with NaN before each load (untimed), and every loaded value is
 compared with what was saved, for both libraries. Both libraries warm up (imports, connections,
@@ -56,6 +64,7 @@ Medians of --repeats; ratios are DCP time / raydcp time.
     python bench/distributed.py --profile                        # + cProfile of raydcp inside an actor
     python bench/distributed.py --first-op-only                  # only (6), raydcp alone
     python bench/distributed.py --only reshard --breakdown       # (4) alone, + where a reshard's time goes
+    python bench/distributed.py --only save --repeats 7          # (1) alone, against the disk's write limit
 
 ``--breakdown`` prints, for the prepared reshards (medians over the repeats, seconds from the
 reshard call): the driver's planning and task submission, when the senders' publish steps ended,
@@ -83,6 +92,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _disk_limit import WAYS, DiskSide, layout_of  # noqa: E402
 from _util import LoadRange, argv_line, goal, log, machine, median, refill_free_memory, save_json, table  # noqa: E402
 
 MIB = 1 << 20
@@ -468,6 +478,12 @@ class DcpSide:
         shutil.rmtree(path)
         return f"save by {SAVERS}, loads onto {SAVERS}, {RESHARD_LOAD} and {RESHARD_MEM} ranks"
 
+    def repeat_save(self, root: str) -> dict:
+        path = os.path.join(root, "dcp-large")
+        t, _ = self.pool.run("save", "large", path, SAVERS)
+        shutil.rmtree(path)
+        return {"save": t}
+
     def repeat_reshard(self, root: str) -> dict:
         """Scenario (4) alone: the save, then the resharded load onto 6 ranks."""
         path = os.path.join(root, "dcp-large")
@@ -657,6 +673,21 @@ class RayDcpSide:
             self.phases.setdefault(op, []).append(b)
         return out
 
+    def layout(self, root: str) -> tuple[dict[int, list[int]], int]:
+        """The files of a save of the large set (untimed): what the disk limit writes."""
+        path = os.path.join(root, "raydcp-layout")
+        self._save("large", path)
+        try:
+            return layout_of(path)
+        finally:
+            shutil.rmtree(path)
+
+    def repeat_save(self, root: str) -> dict:
+        path = os.path.join(root, "raydcp-large")
+        t = self._save("large", path)
+        shutil.rmtree(path)
+        return {"save": t}
+
     def repeat(self, root: str) -> dict:
         path, spath = os.path.join(root, "raydcp-large"), os.path.join(root, "raydcp-small")
         out = {}
@@ -778,6 +809,19 @@ def phase_table(phases: dict[str, list[dict]]) -> str:
     return table(["phase (s; @: since the call began)", *cols], rows) + "\n\n" + note
 
 
+def disk_report(d: dict, r: dict, disk: dict, best: dict, nbytes: int, n: int) -> tuple[str, float]:
+    """The save against the disk's write limit (the fastest way of writing raydcp's layout)."""
+    rows = [[f"disk limit: {way}", disk[f"save ({way})"], best[f"save ({way})"], nbytes / GB / disk[f"save ({way})"],
+             disk[f"save ({way})"] / r["save"]] for way in WAYS]
+    rows += [["raydcp save", r["save"], None, nbytes / GB / r["save"], None],
+             ["torch DCP save", d["save"], None, nbytes / GB / d["save"], None]]
+    limit = min(disk[f"save ({way})"] for way in WAYS)
+    text = table(["write of the large set (same files, fsyncs)", "median s", f"best of {n} s", "GB/s",
+                  "as a share of raydcp's save"], rows)
+    return (text + f"\n\nThe limit is the fastest way: {limit:.3f} s; raydcp's save reaches "
+            f"{100 * limit / r['save']:.0f}% of it, torch DCP's {100 * limit / d['save']:.0f}%."), limit
+
+
 def report(med: dict, best: dict, sizes: dict, n: int, breakdown: dict | None) -> tuple[str, dict, dict]:
     d, r = med["torch DCP"], med["raydcp"]
     ops = [op for op in OPS if op in r]
@@ -790,28 +834,39 @@ def report(med: dict, best: dict, sizes: dict, n: int, breakdown: dict | None) -
         rows.append([op, d[op], r[op], gb / d[op], gb / r[op], ratio[op], best_ratio[op]])
     heads = ["scenario", "torch DCP s", "raydcp s", "DCP GB/s", "raydcp GB/s", "DCP / raydcp", f"best of {n}"]
     os_op, rdt_op, start_op = RESHARD_OPS
-    text = [table(heads, rows),
-            "",
-            f"DCP's reshard 4->6 is its save ({d['save']:.2f} s) + its load onto 6 ranks ({d['load 4->6']:.2f} s). "
-            f"raydcp's reshard(6) call keeps the 4 actors and adds 2. Started ahead with prepare_reshard(6) "
-            f"(untimed, as DCP's 6 processes are): {r[os_op]:.2f} s through the object store, {r[rdt_op]:.2f} s "
-            f"by Ray Direct Transport (gloo)."]
-    if breakdown is not None:
-        text[-1] += (f" Started by the call itself: {r[start_op]:.2f} s (medians of the parts): "
-                     f"{breakdown['until_all_arrived']:.2f} s until the last added actor is up and enters its receive "
-                     f"step (placement group, actor starts), {breakdown['transfer']:.2f} s moving the pieces, "
-                     f"{breakdown['after']:.2f} s returning to the driver.")
-    text.append("")
+    text = [table(heads, rows), ""]
     b = best_ratio
-    checks = [  # (goal, median, best of n, target, met)
-        ("in-memory reshard 4->6 (object store) >= 10x DCP save + resharded load", ratio[os_op], b[os_op], ">= 10",
-         ratio[os_op] >= 10),
-        ("in-memory reshard 4->6 (RDT gloo) vs DCP save + resharded load", ratio[rdt_op], b[rdt_op], "(shown)", True),
-    ]
-    if "save" in ops and "load 4->4" in ops:
+    checks = []  # (goal, median, best of n, target, met)
+    if os_op in r:
+        text[-1] = (f"DCP's reshard 4->6 is its save ({d['save']:.2f} s) + its load onto 6 ranks "
+                    f"({d['load 4->6']:.2f} s). raydcp's reshard(6) call keeps the 4 actors and adds 2. Started ahead "
+                    f"with prepare_reshard(6) (untimed, as DCP's 6 processes are): {r[os_op]:.2f} s through the "
+                    f"object store, {r[rdt_op]:.2f} s by Ray Direct Transport (gloo).")
+        if breakdown is not None:
+            text[-1] += (f" Started by the call itself: {r[start_op]:.2f} s (medians of the parts): "
+                         f"{breakdown['until_all_arrived']:.2f} s until the last added actor is up and enters its "
+                         f"receive step (placement group, actor starts), {breakdown['transfer']:.2f} s moving the "
+                         f"pieces, {breakdown['after']:.2f} s returning to the driver.")
+        text.append("")
+        checks += [
+            ("in-memory reshard 4->6 (object store) >= 10x DCP save + resharded load", ratio[os_op], b[os_op],
+             ">= 10", ratio[os_op] >= 10),
+            ("in-memory reshard 4->6 (RDT gloo) vs DCP save + resharded load", ratio[rdt_op], b[rdt_op], "(shown)",
+             True)]
+    disk = med.get("disk limit")
+    limit = None
+    if disk and "save" in ops:
+        disk_text, limit = disk_report(d, r, disk, best["disk limit"], sizes["large"], n)
+        text += [disk_text, ""]
+    if "save" in ops:
+        checks.insert(0, ("save >= 1.5x DCP", ratio["save"], b["save"], ">= 1.5", ratio["save"] >= 1.5))
+    if limit is not None:
+        share, best_share = limit / r["save"], min(best["disk limit"].values()) / best["raydcp"]["save"]
+        checks.insert(1, ("save >= 85% of the disk's write limit (same run)", share, best_share, ">= 0.85",
+                          share >= 0.85))
+    if "load 4->4" in ops:
         own, own_best = r["load 4->3"] / r["load 4->4"], best["raydcp"]["load 4->3"] / best["raydcp"]["load 4->4"]
-        checks[:0] = [
-            ("save >= 1.2x DCP", ratio["save"], b["save"], ">= 1.2", ratio["save"] >= 1.2),
+        checks[2 if limit is not None else 1:2 if limit is not None else 1] = [
             ("resharded load 4->3 >= 1.5x DCP", ratio["load 4->3"], b["load 4->3"], ">= 1.5",
              ratio["load 4->3"] >= 1.5),
             ("resharded load <= 1.2x own same-size load (4->3 / 4->4)", own, own_best, "<= 1.2", own <= 1.2),
@@ -820,6 +875,9 @@ def report(med: dict, best: dict, sizes: dict, n: int, breakdown: dict | None) -
     text += [table(["goal", "measured (medians)", f"best of {n} each", "target", "status"],
                    [[c[0], c[1], c[2], c[3], goal(c[4]) if c[3] != "(shown)" else "-"] for c in checks]), ""]
     ratios = {"DCP/raydcp": ratio, "best DCP/raydcp": best_ratio}
+    if limit is not None:
+        ratios["raydcp save / disk limit"] = limit / r["save"]
+        ratios["DCP save / disk limit"] = limit / d["save"]
     if start_op in r:
         ratios["DCP reshard / raydcp reshard with its actors starting"] = d[start_op] / r[start_op]
     return "\n".join(text), ratios, {c[0]: c[4] for c in checks if c[3] != "(shown)"}
@@ -866,8 +924,9 @@ def main() -> None:
                     help="also cProfile raydcp's operations inside an actor (untimed)")
     ap.add_argument("--first-op-only", action="store_true",
                     help="only scenario (6), the first operation of a Group (raydcp alone, no DCP)")
-    ap.add_argument("--only", choices=["reshard"], default=None,
-                    help="run one scenario alone: reshard = (4), DCP's save + load onto 6 against the prepared reshards")
+    ap.add_argument("--only", choices=["reshard", "save"], default=None,
+                    help="run one scenario alone: reshard = (4), DCP's save + load onto 6 against the prepared "
+                         "reshards; save = (1), with the disk's write limit")
     ap.add_argument("--breakdown", action="store_true",
                     help="print where the prepared reshards' time goes, phase by phase (medians)")
     args = ap.parse_args()
@@ -895,20 +954,29 @@ def main() -> None:
     try:
         log("starting raydcp's actors" if args.first_op_only else "starting torch DCP's gloo processes and raydcp's actors")
         sides = [RayDcpSide(specs)] if args.first_op_only else [DcpSide(specs), RayDcpSide(specs)]
+        raydcp_side = sides[-1]
         log("warming up (untimed)")
         for side in sides:
             t0 = time.perf_counter()
             what = side.warm_up(root)
             log(f"  {side.name}: warm-up {what} verified in {time.perf_counter() - t0:.1f} s")
-        if not args.first_op_only:
+        if args.only != "reshard" and not args.first_op_only:
+            layout, meta = sides[1].layout(root)
+            from raydcp.options import IOOptions
+
+            sides.append(DiskSide(layout, meta, IOOptions().write_threads))
+            log(f"  disk limit: warm-up {sides[-1].warm_up(root)}")
+        if args.only is None and not args.first_op_only:
             sides[1].setup_group(root)
         for rep in range(args.repeats):
-            order = sides[rep % 2:] + sides[:rep % 2]
+            order = sides[rep % len(sides):] + sides[:rep % len(sides)]
             for side in order:
                 if args.first_op_only:
                     res = side.first_operations(root, rep)
                 elif args.only == "reshard":
                     res = side.repeat_reshard(root)
+                elif args.only == "save":
+                    res = side.repeat_save(root)
                 else:
                     res = side.repeat(root)
                 for op, t in res.items():
@@ -918,7 +986,7 @@ def main() -> None:
                     + f"  (s, all verified); load average {loads.sample()}")
         if args.profile:
             log("profiling raydcp (untimed)")
-            profiles = sides[-1].run_profile(root)
+            profiles = raydcp_side.run_profile(root)
     finally:
         for side in sides:
             side.close()
@@ -927,7 +995,6 @@ def main() -> None:
 
     med = {lib: {op: median(ts) for op, ts in d.items()} for lib, d in times.items()}
     best = {lib: {op: min(ts) for op, ts in d.items()} for lib, d in times.items()}
-    raydcp_side = sides[-1]
     phases = raydcp_side.phases
     first_text, first_ratios, first_goals = ("", {}, {}) if "warm operation" not in times["raydcp"] else \
         first_op_report(times["raydcp"], raydcp_side.very_first, args.repeats)
