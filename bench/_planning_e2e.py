@@ -76,7 +76,7 @@ def _run(path, ranks, load_ranks, save_plans, load_plans, step, log) -> dict:
     storage = CheckpointStorage(path)
     gc.disable()
     local = save_plans()  # the ranks' own plans (objects, with their columns), built on the ranks
-    wires = [encode((storage.url, lp)) for lp in local]
+    wires = [encode((storage.url, lp, None)) for lp in local]  # (destination, plan, writer site: a local disk has none)
     lwires = [encode((lp, None)) for lp in load_plans()]
     # the ranks' objects live in the ranks' processes, not the coordinator's: out of the collector's sight
     gc.freeze()
