@@ -92,10 +92,10 @@ def head():
             time.sleep(1)
         yield {**env, "RAY_ADDRESS": url}
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # `ray start --block` stops its processes on SIGTERM; the rest are killed below
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
         for target in (lambda: os.killpg(proc.pid, signal.SIGKILL),
