@@ -16,10 +16,17 @@ demo: $(STAMP)
 	$(PY) jobs/train_elastic.py --verify
 
 # The multi-node tests (marker `cluster`) start a Ray cluster of their own, which one process cannot
-# hold beside the session's local Ray instance: they run in a second pytest process.
+# hold beside the session's local Ray instance: they run in a second pytest process, beside the
+# first (most of either is waiting for Ray's processes to start); its output follows the first's.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster" --durations=15
-	$(PY) -m pytest -q -m cluster tests/cluster --durations=5
+	@$(PY) -m pytest -q -p no:cacheprovider -m cluster tests/cluster --durations=5 > $(VENV)/cluster-tests.log 2>&1 & \
+	cluster=$$!; trap 'kill $$cluster 2>/dev/null' INT TERM; \
+	echo "$(PY) -m pytest -q -m cluster tests/cluster  (in the background: $(VENV)/cluster-tests.log)"; \
+	echo "$(PY) -m pytest -q -m \"not cluster\""; \
+	$(PY) -m pytest -q -m "not cluster" --durations=15; main=$$?; \
+	wait $$cluster; multi=$$?; \
+	echo "--- the multi-node cluster tests (tests/cluster), run beside the above:"; cat $(VENV)/cluster-tests.log; \
+	test $$main -eq 0 && test $$multi -eq 0
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydcp tests bench jobs
