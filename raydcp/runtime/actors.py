@@ -102,6 +102,30 @@ def prepare_host() -> None:
     coordinator_host().ready.remote()
 
 
+def stop_hosts(*, every_version: bool = False) -> list[str]:
+    """Stop the cluster's coordinator host (detached, it otherwise stays up with the cluster), and
+    with ``every_version`` the hosts that other versions of raydcp's code started too. An operation
+    running through a stopped host fails on every rank with ``CoordinatorLostError``; the next
+    operation starts a new host. Returns the names of the hosts stopped."""
+    global _HOST
+    names = [host_name()]
+    if every_version:
+        names += sorted({a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                         if a.get("namespace") == NAMESPACE and a["name"].startswith("raydcp-coordinator-")}
+                        - {host_name()})
+    stopped = []
+    for name in names:
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # not running
+            continue
+        ray.kill(handle, no_restart=True)
+        stopped.append(name)
+    with _lock:
+        _HOST = None
+    return stopped
+
+
 def release_owner(owner: str) -> None:
     """Drop the state ``owner`` (a ShardGroup's name) holds in the host, without waiting."""
     handle = _HOST

@@ -201,3 +201,35 @@ def test_host_killed_between_operations_the_next_one_works_with_a_stale_handle(r
     assert all(isinstance(md, raydcp.Metadata) for md in out), out
     check_saved(str(tmp_path / "b"), groups[0].name)
     assert actors.coordinator_host()._actor_id.hex() == the_host(ray_session)._actor_id.hex() != old
+
+
+class _OldHost:
+    """Stands for a coordinator host that another version of raydcp's code started."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_stop_hosts_stops_this_versions_host_then_every_version_and_the_next_save_starts_one(ray_session, tmp_path):
+    ray = ray_session
+    old_name = "raydcp-coordinator-0ld0ld0ld0"
+    old = ray.remote(_OldHost).options(name=old_name, namespace=actors.NAMESPACE, lifetime="detached",
+                                        num_cpus=0).remote()
+    assert ray.get(old.ready.remote(), timeout=120)
+    first = pair(uname("stop1"))
+    assert all(isinstance(md, raydcp.Metadata) for md in run_threads([save_fn(g, str(tmp_path / "a")) for g in first]))
+
+    def hosts() -> set:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a.get("namespace") == actors.NAMESPACE and a["name"].startswith("raydcp-coordinator-")}
+
+    assert hosts() == {actors.host_name(), old_name}
+    assert actors.stop_hosts() == [actors.host_name()]
+    wait_for(lambda: hosts() == {old_name})  # this version's host is gone, the other version's is not
+    again = pair(uname("stop2"))  # the next save starts a new host
+    assert all(isinstance(md, raydcp.Metadata) for md in run_threads([save_fn(g, str(tmp_path / "b")) for g in again]))
+    check_saved(str(tmp_path / "b"), again[0].name)
+    assert hosts() == {actors.host_name(), old_name}
+    assert sorted(actors.stop_hosts(every_version=True)) == sorted([actors.host_name(), old_name])
+    wait_for(lambda: not hosts())
+    assert actors.stop_hosts(every_version=True) == []  # nothing left to stop
