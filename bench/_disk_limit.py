@@ -25,6 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _util import stop_processes
+
 WAYS = ("plain", "overlap", "direct")
 CHUNK = 4 << 20
 _ALIGN = 4096
@@ -167,15 +169,7 @@ class DiskLimit:
         return max(a[1] for a in answers)
 
     def close(self) -> None:
-        for c in self.conns:
-            try:
-                c.send(None)
-            except OSError:
-                pass
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        stop_processes(self.conns, self.procs, None)
 
 
 class DiskSide:

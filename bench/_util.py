@@ -214,3 +214,16 @@ def fsync_tree(root: str, *, evict: bool = False) -> None:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def stop_processes(conns: Sequence[Any], procs: Sequence[Any], quit_msg: Any) -> None:
+    """Send ``quit_msg`` down every pipe, then join each process (killed after 30 s)."""
+    for c in conns:
+        try:
+            c.send(quit_msg)
+        except OSError:
+            pass
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()

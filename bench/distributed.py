@@ -93,7 +93,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _disk_limit import WAYS, DiskSide, layout_of  # noqa: E402
-from _util import LoadRange, argv_line, goal, log, machine, median, refill_free_memory, save_json, table  # noqa: E402
+from _util import (LoadRange, argv_line, goal, log, machine, median, refill_free_memory, save_json,  # noqa: E402
+                   stop_processes, table)
 
 MIB = 1 << 20
 GB = 1e9
@@ -268,15 +269,7 @@ class DcpPool:
         return max(a[1] for a in answers), sum(a[2] for a in answers)
 
     def close(self) -> None:
-        for c in self.conns:
-            try:
-                c.send(("quit", None, None, 0))
-            except OSError:
-                pass
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        stop_processes(self.conns, self.procs, ("quit", None, None, 0))
 
 
 # ----------------------------------------------------------------------------- raydcp: Ray actors
