@@ -126,8 +126,9 @@ class HelperProcess:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
             fut.set_exception(CoordinatorLostError(
-                f"the process persisting the checkpoint died (exit status {code}) before it committed; "
-                f"nothing was committed and the previous checkpoint at that path is intact: save again"))
+                f"the process persisting the checkpoint died (exit status {code}) before it reported the commit: "
+                f"the save either committed whole (the process died just after) or not at all, leaving the "
+                f"previous checkpoint at that path intact; raydcp.read_metadata(path) tells which: save again"))
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

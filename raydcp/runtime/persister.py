@@ -117,8 +117,9 @@ class _RayFuture:
             raise CheckpointError(f"async save failed: {cause!r}") from None
         except rex.RayActorError as exc:
             raise CoordinatorLostError(
-                f"the persister actor died before the save committed ({exc.__class__.__name__}); "
-                f"nothing was committed and the previous checkpoint at that path is intact: save again") from None
+                f"the persister actor died before it reported the commit ({exc.__class__.__name__}): the save "
+                f"either committed whole (the actor died just after) or not at all, leaving the previous "
+                f"checkpoint at that path intact; raydcp.read_metadata(path) tells which: save again") from None
 
 
 class PersisterActor:
