@@ -269,13 +269,41 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         writers.append(np.array(chosen, np.int64))
     for w in writers[1:]:
         is_writer[w] = True
-    written = np.flatnonzero(is_writer)
-    bounds = np.searchsorted(written, starts).tolist()  # the pieces of rank r are starts[r]:starts[r + 1]
-    ranks = tuple(RankWritePlan(r, save_id, _pack_columns(save_id, r, written[bounds[r]:bounds[r + 1]] - starts[r],
-                                                          nbytes[written[bounds[r]:bounds[r + 1]]],
-                                                          options.max_file_bytes))
-                  for r in range(world))
+    files = _pack_ranks(save_id, np.flatnonzero(is_writer), starts, nbytes, world, options.max_file_bytes)
+    ranks = tuple(RankWritePlan(r, save_id, files[r]) for r in range(world))
     return GlobalSavePlan(save_id, world, tensors, values, ranks, tuple(load.tolist()))
+
+
+def _pack_ranks(save_id: str, written: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, world: int,
+                max_bytes: int) -> list[FileTable]:
+    """Every rank's :func:`_pack_columns` of the pieces ``written`` (positions in the concatenated
+    items; rank r's items are ``starts[r]:starts[r + 1]``), the layout of all ranks at once: where a
+    rank's pieces fit in one file (the usual case) its table is a slice of shared arrays."""
+    bounds = np.searchsorted(written, starts)  # rank r writes written[bounds[r]:bounds[r + 1]]
+    nb = nbytes[written]
+    aligned = -(-nb // ALIGN) * ALIGN
+    before = np.cumsum(aligned) - aligned  # where each piece starts in one long file of all ranks
+    counts = np.diff(bounds)
+    has = counts > 0
+    rank_of = np.repeat(np.arange(world), counts)
+    rank_start = np.zeros(world, np.int64)
+    rank_start[has] = before[bounds[:-1][has]]
+    before -= rank_start[rank_of]  # now where each piece starts in its rank's one long file
+    items = written - starts[:-1][rank_of]
+    last_end = np.zeros(world, np.int64)
+    last_end[has] = (before + nb)[bounds[1:][has] - 1]
+    one_file = (counts <= 1) | (last_end <= max_bytes)
+    out = []
+    bl, one = bounds.tolist(), one_file.tolist()
+    for r in range(world):
+        a, b = bl[r], bl[r + 1]
+        if not one[r]:
+            out.append(_pack_columns(save_id, r, items[a:b], nb[a:b], max_bytes))
+        elif a == b:
+            out.append(FileTable([], items[a:b], before[a:b], [0]))
+        else:
+            out.append(FileTable([f"data/{save_id}/r{r:05d}-f000.bin"], items[a:b], before[a:b], [0, b - a]))
+    return out
 
 
 def _general_groups(keys, tensors, gen_keys, pieces, g, off, size, crc, nbytes, nds):
