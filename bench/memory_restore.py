@@ -147,16 +147,8 @@ def run_nodes(args, specs: dict, root: str, env: dict, loads: LoadRange) -> tupl
         cluster.wait_for_nodes()
         ranks.add_savers(["n1", "n2"])
         mem_url = "raymem://bench-restore-nodes/ckpt"
-        log("warming up and saving (untimed)")
-        warm = "raymem://bench-warm-nodes/ckpt"
-        ranks.save("warm", warm)
-        ranks.load("warm", SAVERS, warm)
-        ranks.load("warm", MORE, warm)
-        pool.run("save", "warm", os.path.join(root, "dcp-warm"), SAVERS)
-        pool.run("load", "warm", os.path.join(root, "dcp-warm"), MORE)
-        saves = {"raymem": ranks.save("large", mem_url), "disk": ranks.save("large", disk),
-                 "torch DCP": pool.run("save", "large", dcp_dir, SAVERS)[0]}
-        log("  saves (untimed for the goals): " + ", ".join(f"{k} {v:.2f} s" for k, v in saves.items()))
+        saves = warm_up_and_save(ranks, pool, root, ["raymem://bench-warm-nodes/ckpt"],
+                                 {"raymem": mem_url, "disk": disk}, dcp_dir)
         for rep in range(args.repeats):
             for w in (SAVERS, MORE):
                 times.setdefault(f"raymem all nodes 4->{w}", []).append(ranks.load("large", w, mem_url))
@@ -187,6 +179,22 @@ def run_nodes(args, specs: dict, root: str, env: dict, loads: LoadRange) -> tupl
         ray.shutdown()
         cluster.shutdown()
     return times, saves, ["raymem all nodes", "raymem replicas", "disk", "torch DCP"]
+
+
+def warm_up_and_save(ranks, pool, root: str, warm_urls: list[str], targets: dict[str, str], dcp_dir: str) -> dict:
+    """Untimed: both libraries warmed up (raydcp at each of ``warm_urls``), then the large set saved
+    by raydcp to each of ``targets`` ({name: url}) and by DCP to ``dcp_dir``; the seconds of each save."""
+    log("warming up and saving (untimed)")
+    for url in warm_urls:
+        ranks.save("warm", url)
+        ranks.load("warm", SAVERS, url)
+        ranks.load("warm", MORE, url)
+    pool.run("save", "warm", os.path.join(root, "dcp-warm"), SAVERS)
+    pool.run("load", "warm", os.path.join(root, "dcp-warm"), MORE)
+    saves = {name: ranks.save("large", url) for name, url in targets.items()}
+    saves["torch DCP"] = pool.run("save", "large", dcp_dir, SAVERS)[0]
+    log("  saves (untimed for the goals): " + ", ".join(f"{k} {v:.2f} s" for k, v in saves.items()))
+    return saves
 
 
 def timed_repeats(libs: list[str], repeats: int, run, times: dict, loads) -> None:
@@ -254,18 +262,9 @@ def main() -> None:
         log("starting torch DCP's gloo processes and raydcp's actors")
         pool = DcpPool(specs, (SAVERS, MORE))
         ranks = RaydcpRanks(specs)
-        log("warming up and saving (untimed)")
-        for url in (os.path.join(root, "warm"), "raymem://bench-warm/ckpt"):
-            ranks.save("warm", url)
-            ranks.load("warm", SAVERS, url)
-            ranks.load("warm", MORE, url)
-        pool.run("save", "warm", os.path.join(root, "dcp-warm"), SAVERS)
-        pool.run("load", "warm", os.path.join(root, "dcp-warm"), MORE)
-        saves = {"raymem": ranks.save("large", MEM_URL), "disk": ranks.save("large", disk),
-                 "torch DCP": pool.run("save", "large", dcp_dir, SAVERS)[0]}
-        if s3_url:
-            saves["s3"] = ranks.save("large", s3_url)
-        log("  saves (untimed for the goals): " + ", ".join(f"{k} {v:.2f} s" for k, v in saves.items()))
+        targets = {"raymem": MEM_URL, "disk": disk, **({"s3": s3_url} if s3_url else {})}
+        saves = warm_up_and_save(ranks, pool, root, [os.path.join(root, "warm"), "raymem://bench-warm/ckpt"],
+                                 targets, dcp_dir)
 
         def run(lib: str, w: int) -> float:
             if lib == "raymem":
