@@ -13,7 +13,8 @@ from ..metadata import Metadata
 from ..metadata_format import decode_metadata
 from ..options import DEFAULT_LOAD, LoadOptions
 from ..planner import (LocalLoadPlan, RankLoadPlan, ReadItem, TensorSpec,
-                       check_requests, plan_load, stored_sources)
+                       check_requests, plan_load)
+from ..planner.load import _sources
 from ..planner.transfer import plan_transfer
 from ..state import FlatState, flatten_state
 from ..state_modules import legacy_optimizer_renames
@@ -68,7 +69,9 @@ def local_load_plan(rank: int, flat: FlatState, strict: bool) -> LocalLoadPlan:
 
 
 def _stored_sources(md: Metadata):
-    return stored_sources(md)  # key -> the stored chunks as columns (a sequence of SourceChunk)
+    """key -> the stored chunks as columns (a sequence of SourceChunk), not yet checked to tile
+    their tensors: the load plan checks that (``plan_load(..., tiles=md.tensors)``)."""
+    return _sources(md)
 
 
 def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):
@@ -96,7 +99,7 @@ def _plan_loads(md: Metadata, requests: Sequence[tuple]) -> list:
         values = {get(k, k): v for k, v in values.items()}
     check_requests(available, values, local_plans)
     packed = CompressedPieces.of_metadata(md)
-    plans = plan_load(sources, local_plans, values, itemsizes, joint_reads=not packed)
+    plans = plan_load(sources, local_plans, values, itemsizes, joint_reads=not packed, tiles=md.tensors)
     compressed = [packed.for_plan(p) if packed else None for p in plans]
     if all(lp.strict for lp in local_plans):
         return [(p, None, None, c) for p, c in zip(plans, compressed)]

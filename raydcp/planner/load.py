@@ -138,6 +138,7 @@ def plan_load(
     itemsizes: Mapping[str, int],
     *,
     joint_reads: bool = True,
+    tiles=None,
 ) -> list[RankLoadPlan]:
     """Assign every needed source chunk to one reader and list its deliveries (pure).
 
@@ -147,10 +148,21 @@ def plan_load(
     rank for which (bytes already assigned - bytes of the chunk it needs) is least; a live chunk
     (``holders`` set) by its least loaded holder. ``joint_reads=False``: no chunk is split into
     joint reads (stored chunks that are read whole, compressed ones).
+
+    ``tiles``: a checkpoint's ``Metadata.tensors`` whose chunks ``sources`` are; the plan then also
+    checks that they tile their tensors exactly (:func:`require_tiling`, the CheckpointError it
+    raises): on the arrays the plan lays out anyway where ``sources`` are ``stored_sources``'s
+    columns of a decoded checkpoint, on its own otherwise.
     """
-    planned = _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads)
+    on_line = tiles is not None and isinstance(sources, _StoredSources) and sources.tensors is tiles \
+        and hasattr(tiles, "shapes")
+    if tiles is not None and not on_line:
+        require_tiling(tiles)
+    planned = _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads, tiles if on_line else None)
     if planned is not None:
         return planned
+    if on_line:  # the array path stopped before its check
+        require_tiling(tiles)
     return _plan_load_objects(sources, local_plans, values, itemsizes, joint_reads)
 
 

@@ -18,6 +18,7 @@ from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_ar
 from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _stack_items, _take
 from .chunk_index import _general_pairs
 from .joint_reads import _split_large_chunks
+from .load_tiling import check_line_tiling
 from .types import PackedNames, RankLoadPlan, ReadTable, StoredChunks
 
 
@@ -26,7 +27,8 @@ def _names(keys: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool = True) -> list[RankLoadPlan] | None:
+def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool = True,
+                       tiles=None) -> list[RankLoadPlan] | None:
     """The array path of :func:`raydcp.planner.plan_load`, or None where the general path must decide.
 
     Phases, each a function over the shared columns (:class:`_Arrays`): the source chunks
@@ -34,7 +36,9 @@ def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: boo
     request and chunk that overlap (:func:`_overlapping_pairs`) and the part each delivers
     (:func:`_needed_parts`, which checks the parts cover every request exactly); one reader per
     needed chunk (:func:`_assign_readers`); each rank's reads in order (:func:`_order_reads`);
-    and the per-rank plans (:func:`_read_tables`).
+    and the per-rank plans (:func:`_read_tables`). ``tiles``: the ``TensorMetas`` of a decoded
+    checkpoint whose chunks ``sources`` are (a ``_StoredSources`` over it), checked to tile their
+    tensors on the line the overlap search lays out (:mod:`.load_tiling`).
     """
     world = len(local_plans)
     lcols = [getattr(lp, "columns", None) for lp in local_plans]
@@ -49,6 +53,8 @@ def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: boo
     if not (_source_arrays(a) and _request_arrays(a)):
         return None
     _overlapping_pairs(a)
+    if tiles is not None:
+        check_line_tiling(a, tiles)
     _needed_parts(a)
     _assign_readers(a)
     _order_reads(a)
@@ -184,6 +190,8 @@ def _overlapping_pairs(a: _Arrays) -> None:
         on_line, line_start, line_end = on_line[keep], line_start[keep], line_end[keep]
         line_all = False
 
+    a.base, a.c_live, a.general, a.key_dim = base, c_live, general, key_dim
+    a.line_all, a.line_end, a.line_start, a.on_line = line_all, line_end, line_start, on_line
     q_live = known & _rows_all(q_size > 0)
     q_general = np.zeros(nq, bool)
     q_general[known] = general[kk]
