@@ -155,8 +155,9 @@ def _overlapping_pairs(a: _Arrays) -> None:
     nfull = np.zeros(nchunks, np.int8)
     not_full = np.full(nchunks, -1, np.int8)
     e, b1, b2 = np.empty(nchunks, np.int64), np.empty(nchunks, bool), np.empty(nchunks, bool)
+    counts = np.diff(cstart)  # the chunks come key after key: per-key values spread by repeating
     for j in range(width):
-        np.take(ext[:, j], s_key, out=e)
+        e[:] = np.repeat(ext[:, j], counts)
         c_live &= np.greater(s_size[:, j], 0, out=b1)
         np.equal(s_off[:, j], 0, out=b1)
         b1 &= np.equal(s_size[:, j], e, out=b2)
@@ -174,15 +175,27 @@ def _overlapping_pairs(a: _Arrays) -> None:
     base = np.zeros(nkeys, np.int64)
     np.cumsum(span[:-1] + 1, out=base[1:])
     # chunks of one-dimensional keys on one line, key after key; they must not overlap
-    on_line = np.flatnonzero(c_live & ~general[s_key])
-    d_of = key_dim[s_key[on_line]]
-    line_start = base[s_key[on_line]] + _pick(s_off, on_line, d_of)
-    line_all = len(on_line) == nchunks  # every chunk on the line, in chunk order (so far)
+    on_key = c_live & ~general[s_key]
+    line_all = bool(on_key.all())  # every chunk on the line, in chunk order (so far)
+    d_one = int(key_dim[0]) if nkeys and (key_dim == key_dim[0]).all() else None
+    if line_all and d_one is not None:  # the usual case: columns, no gathers
+        on_line = np.arange(nchunks)
+        line_start = np.repeat(base, counts)
+        line_start += s_off[:, d_one]
+        line_len = s_size[:, d_one]
+    else:
+        on_line = np.flatnonzero(on_key)
+        d_of = key_dim[s_key[on_line]]
+        line_start = base[s_key[on_line]] + _pick(s_off, on_line, d_of)
+        line_len = _pick(s_size, on_line, d_of)
+        del d_of
+    del on_key
     if len(line_start) and (line_start[1:] < line_start[:-1]).any():  # stored chunks usually come sorted
         order = np.argsort(line_start, kind="stable")
-        on_line, line_start = on_line[order], line_start[order]
+        on_line, line_start, line_len = on_line[order], line_start[order], line_len[order]
         line_all = False
-    line_end = line_start + _pick(s_size, on_line, key_dim[s_key[on_line]])
+    line_end = line_start + line_len
+    del line_len
     clash = np.flatnonzero(line_end[:-1] > line_start[1:])
     if len(clash):
         general[s_key[on_line[clash]]] = True
@@ -294,6 +307,9 @@ def _needed_parts(a: _Arrays) -> None:
         del c_lo, c_hi, q_lo, q_hi
         p_numel = np.repeat(q_numel[q1] // q1_size, n_c)
         p_numel *= sz_d
+        p_key = np.repeat(k1, n_c)  # pair j's chunk is of its request's key
+        p_bytes = isz[p_key]
+        p_bytes *= p_numel
 
         def boxes(sel):
             rows = p_q if sel is None else p_q[sel]
@@ -312,6 +328,8 @@ def _needed_parts(a: _Arrays) -> None:
             keep = np.flatnonzero(ok)
             p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], _take(box_lo, keep), _take(box_sz, keep)
         p_numel = _rows_prod(box_sz)
+        p_key = None
+        p_bytes = p_numel * isz[s_key[p_c]]
 
         def boxes(sel):
             return (box_lo, box_sz) if sel is None else (_take(box_lo, sel), _take(box_sz, sel))
@@ -323,9 +341,8 @@ def _needed_parts(a: _Arrays) -> None:
             f"the stored pieces of {_names(names)} do not cover the tensor exactly (a gap or an overlap); "
             f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
     p_rank = q_rank[p_q]
-    p_bytes = p_numel * isz[s_key[p_c]]
     a.boxes, a.p_bytes, a.p_c, a.p_numel, a.p_q, a.p_rank = boxes, p_bytes, p_c, p_numel, p_q, p_rank
-    a.whole, = whole,
+    a.p_key, a.whole = p_key, whole
 
 
 def _assign_readers(a: _Arrays) -> None:
@@ -481,7 +498,11 @@ def _read_tables(a: _Arrays) -> list[RankLoadPlan]:
     s_file, s_key, s_nbytes, s_off, s_size, sp_heads = a.s_file, a.s_key, a.s_nbytes, a.s_off, a.s_size, a.sp_heads
     stored, tables, values, whole = a.stored, a.tables, a.values, a.whole
     d_lo, d_sz = (None, None) if whole else boxes(pairs)
-    cols = {"key": s_key[rchunk], "offsets": _take(s_off, rchunk), "sizes": _take(s_size, rchunk),
+    if whole and pairs is None and a.p_key is not None:  # read i is pair i, its part the whole chunk:
+        key, (off, size) = a.p_key, boxes(None)  # key and box from the requests' columns, in order
+    else:
+        key, off, size = s_key[rchunk], _take(s_off, rchunk), _take(s_size, rchunk)
+    cols = {"key": key, "offsets": off, "sizes": size,
             "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
             "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,
             "joint": rjoint if len(sp_heads) and rjoint.any() else None}
@@ -503,22 +524,27 @@ def _read_tables(a: _Arrays) -> list[RankLoadPlan]:
     # every rank's table names all the keys and files: one packed copy shared by them, so that a
     # rank's plan travels with a bytes object for each list, not a string per key and per file
     keys, dtypes, files = PackedNames.of(keys), PackedNames.of(dtypes), PackedNames.of(files)
+    per_read = [(n, x) for n, x in cols.items() if not n.startswith(("d_", "block_")) and x is not None]
+    per_delivery = [(n, x) for n, x in cols.items() if n.startswith("d_") and x is not None]
+    rbl = rb.tolist()
+    pbl = pb[rb].tolist()  # each rank's first and last delivery
+    bbl = cols["block_bounds"][rb].tolist() if stored else None  # and block checksum
+    incoming, bytes_read, needed = incoming.tolist(), bytes_read.tolist(), needed.tolist()
     plans = []
     for r, lp in enumerate(local_plans):
-        a, b = int(rb[r]), int(rb[r + 1])
-        fields = {name: arr[a:b] for name, arr in cols.items()
-                  if not name.startswith(("d_", "block_")) and arr is not None}
-        fields.update({name: arr[pb[a]:pb[b]] for name, arr in cols.items()
-                       if name.startswith("d_") and arr is not None})
+        a, b = rbl[r], rbl[r + 1]
+        pa, pz = pbl[r], pbl[r + 1]
+        fields = {name: x[a:b] for name, x in per_read}
+        for name, x in per_delivery:
+            fields[name] = x[pa:pz]
         if stored:
-            bb = cols["block_bounds"][a:b + 1]
-            fields["block_values"] = cols["block_values"][bb[0]:bb[-1]]
-            fields["block_bounds"] = bb - bb[0]
+            fields["block_values"] = cols["block_values"][bbl[r]:bbl[r + 1]]
+            fields["block_bounds"] = cols["block_bounds"][a:b + 1] - bbl[r]
         else:
             fields["sources"] = objs[a:b]
-        reads = ReadTable(keys=keys, dtypes=dtypes, ndims=nd_key, files=files,
-                          delivery_bounds=pb[a:b + 1] - pb[a], **fields)
-        plans.append(RankLoadPlan(rank=lp.rank, reads=reads, incoming=int(incoming[r]),
+        reads = ReadTable(keys=keys, dtypes=dtypes, ndims=nd_key, files=files, delivery_bounds=pb[a:b + 1] - pa,
+                          **fields)
+        plans.append(RankLoadPlan(rank=lp.rank, reads=reads, incoming=incoming[r],
                                   values={k: values[k] for k in lp.values if k in values},
-                                  bytes_read=int(bytes_read[r]), bytes_needed=int(needed[r])))
+                                  bytes_read=bytes_read[r], bytes_needed=needed[r]))
     return plans
