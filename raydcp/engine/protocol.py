@@ -38,7 +38,7 @@ from ..errors import CheckpointError, RankFailure, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas
 from ..metadata_format import decode_metadata, encode_metadata
 from ..planner import LocalSavePlan, PackedNames, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
-from ..planner.arrays import _order
+from ..planner.arrays import _sorted_runs
 from ..planner.types import _digest
 from ..storage import CheckpointStorage
 from ..storage import capacity
@@ -469,12 +469,16 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
     if n and not np.array_equal(np.take(ndim, key), row_nd):
         raise _wrong_dimensions(keys, ndim, key, row_nd)
     del row_nd
-    order = _order([key, *(off[:, d] for d in range(width))])  # stable: by tensor, then offsets
+    # stable: by tensor, then offsets (where every rank wrote pieces of the same tensors, no sort)
+    order, sorted_cols = _sorted_runs([key, *(off[:, d] for d in range(width))], len(records))
     if n and not (order[1:] - order[:-1] == 1).all():  # not in order already (pieces of several ranks)
         start = np.zeros(n + 1, np.int64)
         np.cumsum(blen, out=start[1:])  # where each row's block checksums start, before sorting
-        key, file, boff, nbytes, crc, blen = (np.take(x, order) for x in (key, file, boff, nbytes, crc, blen))
-        off, size = np.take(off, order, axis=0), np.take(size, order, axis=0)
+        file, boff, nbytes, crc, blen = (np.take(x, order) for x in (file, boff, nbytes, crc, blen))
+        key = sorted_cols[0]
+        for d, c in enumerate(sorted_cols[1:]):
+            off[:, d] = c
+        size = np.take(size, order, axis=0)
         if codec is not None:
             codec, stored = np.take(codec, order), np.take(stored, order)
         if bvals:

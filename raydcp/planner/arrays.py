@@ -60,6 +60,34 @@ def _order(cols: list[np.ndarray]) -> np.ndarray:
     return np.lexsort(cols[::-1])
 
 
+def _sorted_runs(cols: list[np.ndarray], runs: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``order = _order(cols)`` and ``[c[order] for c in cols]``, where the rows may come as
+    ``runs`` runs of one length that list the same distinct keys (``cols[0]``) in the same order:
+    every rank's pieces of every tensor, rank after rank. The order by key is then the runs read
+    column by column, with no sort; it is the order by all ``cols`` where each key's rows, so
+    read, are already sorted by the other columns (checked; ``_order`` otherwise). Ties keep the
+    runs' order, as the stable sort does: a key's rows are in one column, run after run."""
+    key, n = cols[0], len(cols[0])
+    if runs > 1 and n and n % runs == 0:
+        m = n // runs
+        grid = key.reshape(runs, m)
+        row = grid[0]
+        js = np.argsort(row, kind="stable")
+        if (row[js][1:] > row[js][:-1]).all() and (grid == row).all():
+            order = np.add.outer(js, np.arange(0, n, m)).reshape(-1)
+            out = [np.repeat(row[js], runs)] + [np.take(c, order) for c in cols[1:]]
+            tied = np.ones(n - 1, bool)  # rows i and i + 1 of one key, equal in the columns so far
+            tied[runs - 1::runs] = False
+            for c in out[1:]:
+                if (tied & (c[1:] < c[:-1])).any():
+                    break
+                tied &= c[1:] == c[:-1]
+            else:
+                return order, out
+    order = _order(cols)
+    return order, [np.take(c, order) for c in cols]
+
+
 def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``a[rows]`` for a 2-D array (np.take copies whole rows, many times faster than fancy indexing)."""
     return np.take(a, rows, axis=0)

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError, StateMismatchError
-from .arrays import _dim_range, _order, _rank_sums, _stack_items
+from .arrays import _dim_range, _rank_sums, _sorted_runs, _stack_items
 from .boxes import numel
 from .tiling import piece_problems
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
@@ -209,9 +209,8 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         at = rows * width + key_dim[g1]
         s1, z1 = np.take(off.reshape(-1), at), np.take(size.reshape(-1), at)
         del at
-    order = _order([g1, s1, z1])
+    order, (g1, s1, z1) = _sorted_runs([g1, s1, z1], world if all_one and all_live else 1)
     rows = order if all_one and all_live else rows[order]
-    g1, s1, z1 = g1[order], s1[order], z1[order]
     del order
     first = np.ones(len(rows), bool)
     first[1:] = (g1[1:] != g1[:-1]) | (s1[1:] != s1[:-1]) | (z1[1:] != z1[:-1])
