@@ -353,26 +353,40 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str], codecs: np.nd
     shape_start = np.zeros(k + 1, np.int64)
     np.cumsum(ndim, out=shape_start[1:])
 
-    nd_row = ndim[tcol]
-    bad = (np.diff(ob) != nd_row) | (np.diff(sb) != nd_row) | (byte_off < 0)
-    uniform = k and n and not bad.any() and (ndim == ndim[0]).all() and ndim[0] > 0
-    if uniform:  # every tensor has the same number of dimensions: (n, nd) views, no per-element index
-        nd = int(ndim[0])
-        o2, s2 = ov.reshape(n, nd), sv.reshape(n, nd)
-        extent = np.take(shape_flat.reshape(k, nd), tcol, axis=0)
-        numel = np.ones(n, np.int64)
-        for d in range(nd):
-            o, s, e = o2[:, d], s2[:, d], extent[:, d]
-            bad |= (o < 0) | (s < 0) | (o > e) | (s > e - o)  # e - o: no int64 overflow, unlike o + s
-            numel *= s
-        bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb, codec)
-    elif not bad.any():
-        # per element of the flat offsets/sizes: its row, its dimension, the tensor's extent there
-        row_of = np.repeat(np.arange(n), nd_row)
-        dim_of = np.arange(len(ov)) - ob[:-1][row_of]
-        extent = shape_flat[shape_start[tcol][row_of] + dim_of]
-        bad_elem = (ov < 0) | (sv < 0) | (ov > extent) | (sv > extent - ov)
-        bad |= np.bincount(row_of[bad_elem], minlength=n).astype(bool)
+    rows = np.searchsorted(tcol, np.arange(k + 1))  # the rows are grouped by tensor (checked above)
+    per_tensor = np.diff(rows)
+    nd0 = int(ndim[0]) if k else 0
+    b1 = np.empty(n, bool)
+    bad = np.less(byte_off, 0)
+    uniform = bool(k and n and nd0 > 0 and (ndim == nd0).all())  # every tensor of nd0 dimensions
+    if uniform and not ((np.diff(ob) != nd0).any() or (np.diff(sb) != nd0).any()):
+        # (n, nd) views of the boxes, each tensor's extents spread over its rows: no index per element
+        o2, s2 = ov.reshape(n, nd0), sv.reshape(n, nd0)
+        shape2 = shape_flat.reshape(k, nd0)
+        numel = np.repeat(isz, per_tensor)
+        e, t = np.empty(n, np.int64), np.empty(n, np.int64)
+        for d in range(nd0):
+            o, z = o2[:, d], s2[:, d]
+            e[:] = np.repeat(shape2[:, d], per_tensor)
+            bad |= np.less(o, 0, out=b1)
+            bad |= np.less(z, 0, out=b1)
+            bad |= np.greater(o, e, out=b1)
+            bad |= np.greater(z, np.subtract(e, o, out=t), out=b1)  # e - o: no int64 overflow, unlike o + z
+            numel *= z
+        del e, t
+        bad |= np.not_equal(numel, nbytes, out=b1)  # elements times the item size
+        bad |= _blocks_wrong(nbytes, bb, codec)
+    else:
+        uniform = False
+        nd_row = ndim[tcol]
+        bad |= (np.diff(ob) != nd_row) | (np.diff(sb) != nd_row)
+        if not bad.any():
+            # per element of the flat offsets/sizes: its row, its dimension, the tensor's extent there
+            row_of = np.repeat(np.arange(n), nd_row)
+            dim_of = np.arange(len(ov)) - ob[:-1][row_of]
+            extent = shape_flat[shape_start[tcol][row_of] + dim_of]
+            bad_elem = (ov < 0) | (sv < 0) | (ov > extent) | (sv > extent - ov)
+            bad |= np.bincount(row_of[bad_elem], minlength=n).astype(bool)
     if not uniform and not bad.any():
         dmax = int(ndim.max()) if k else 0
         padded = np.ones((n, max(dmax, 1)), np.int64)
@@ -381,7 +395,8 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str], codecs: np.nd
         bad |= (numel * isz[tcol] != nbytes) | _blocks_wrong(nbytes, bb, codec)
     # the chunk's bytes inside int64 (the product above cannot wrap: a chunk inside its tensor is
     # no larger than the tensor, whose size _check_shapes bounded)
-    bad |= (nbytes < 0) | (byte_off > _INT64_MAX - np.maximum(nbytes, 0))
+    bad |= np.less(nbytes, 0, out=b1)
+    bad |= np.greater(byte_off, _INT64_MAX - np.maximum(nbytes, 0), out=b1)
     if codec is not None:  # a raw chunk's stored length is its length; a compressed one's fits in a file
         bad |= (stored < 0) | ((codec == 0) & (stored != nbytes)) | (byte_off > _INT64_MAX - np.maximum(stored, 0))
     if bad.any():
@@ -390,7 +405,6 @@ def _decode_chunks(table: pa.Table, specs: list, files: list[str], codecs: np.nd
         _chunk_error(name, dtype, shape, tuple(ov[ob[i]:ob[i + 1]].tolist()), tuple(sv[sb[i]:sb[i + 1]].tolist()),
                      int(byte_off[i]), int(nbytes[i]), *((int(codec[i]), int(stored[i])) if codec is not None else ()))
 
-    rows = np.searchsorted(tcol, np.arange(k + 1))
     if uniform:
         off2, size2 = o2, s2
     else:  # pad the boxes of tensors of fewer dimensions (offset 0, size 1)
