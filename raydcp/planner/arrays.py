@@ -107,6 +107,16 @@ def _stack_items(cols: list, kid: dict[str, int], width: int) -> tuple[np.ndarra
     n = int(counts.sum())
     starts = np.zeros(len(cols) + 1, np.int64)
     np.cumsum(counts, out=starts[1:])
+    digests = {c.keys_digest for c in cols}
+    if n and len(digests) == 1 and all(c.offsets.shape[1] == width for c in cols):
+        # the usual plans: every rank's keys one list, its boxes as wide as the widest: concatenated
+        m = np.array([kid.get(k, -1) for k in cols[0].keys] or [0], np.int64)
+        key = np.concatenate([c.key for c in cols]).astype(np.int64, copy=False)
+        if not ((m == np.arange(len(m))).all() and 0 <= key.min() and key.max() < len(m)):
+            key = np.take(m, key)  # the ranks' list is not the keys' order (or an index is wrong: raises)
+        off = np.concatenate([c.offsets for c in cols]).astype(np.int64, copy=False)
+        size = np.concatenate([c.sizes for c in cols]).astype(np.int64, copy=False)
+        return key, off, size, np.concatenate([c.ndim for c in cols]), starts
     key = np.empty(n, np.int64)
     off = np.zeros((n, width), np.int64)
     size = np.ones((n, width), np.int64)
