@@ -130,6 +130,19 @@ def _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, l
     return res
 
 
+def median_of(runs: list[dict]) -> dict:
+    """One point from repeats of :func:`run_end_to_end` at one scale: every timing the median of the
+    repeats (each phase's own), the total of the first run and every run's total kept beside it."""
+    out = dict(runs[0])
+    for name, v in runs[0].items():
+        if isinstance(v, float):
+            out[name] = float(np.median([r[name] for r in runs]))
+    out["total"] = sum(out[p] for p in PHASES)
+    out["total_with_transport"] = out["total"] + sum(out[p] for p in TRANSPORT)
+    out["repeats"], out["first_total"], out["totals"] = len(runs), runs[0]["total"], [r["total"] for r in runs]
+    return out
+
+
 def _without_gc(fn):
     """``fn()`` with the collector off, as ``raydcp.transport.run_reduce`` runs every reduction."""
     was = gc.isenabled()
@@ -146,12 +159,16 @@ def report_e2e(points: list[dict], goal_fn: Callable, table_fn: Callable, target
     names = {"plan": "plan", "commit": "commit", "md_write": "metadata write", "read": "read",
              "load_plan": "load plan"}
     rows = [[f"{p['ranks']} x {p['pieces'] // p['ranks']}", p["pieces"], *(p[n] for n in PHASES), p["total"],
-             1e6 * p["total"] / p["pieces"], p["md_bytes"] / p["pieces"],
+             p.get("first_total", p["total"]), 1e6 * p["total"] / p["pieces"], p["md_bytes"] / p["pieces"],
              *(p[n] for n in TRANSPORT), p["total_with_transport"]] for p in points]
+    repeats = points[-1].get("repeats", 1)
     out = ["### End to end through the coordinator's functions, one CPU (CPU seconds; load for half as many ranks)", "",
-           table_fn(["ranks x tensors", "pieces", *(names[n] for n in PHASES), "total", "us/piece", "md bytes/piece",
-                     "receive plans", "reply plans", "receive records", "reply commit", "receive loads",
-                     "reply loads", "total with the transport"], rows), ""]
+           f"Each phase: the median of {repeats} runs of the whole sequence at each scale, in one process (as the "
+           "coordinator's host runs one checkpoint after another); \"first run\": the total of the first of them, "
+           "whose arrays are all fresh memory.", "",
+           table_fn(["ranks x tensors", "pieces", *(names[n] for n in PHASES), "total", "first run", "us/piece",
+                     "md bytes/piece", "receive plans", "reply plans", "receive records", "reply commit",
+                     "receive loads", "reply loads", "total with the transport"], rows), ""]
     base = points[0]
     lin = {n: (p[n] / p["pieces"]) / (base[n] / base["pieces"]) for p in points[-1:]
            for n in (*PHASES, "total", "total_with_transport")}
@@ -161,8 +178,8 @@ def report_e2e(points: list[dict], goal_fn: Callable, table_fn: Callable, target
             table_fn(["phase", *(f"{p['pieces']} pieces" for p in points)], lrows), ""]
     full = points[-1]
     worst = max(lin[n] for n in (*PHASES, "total"))
-    checks = [(f"total under {target_s:g} s on one core at {full['pieces']} pieces", full["total"], f"< {target_s:g} s",
-               full["total"] < target_s),
+    checks = [(f"total under {target_s:g} s on one core at {full['pieces']} pieces (median of {repeats})", full["total"],
+               f"< {target_s:g} s", full["total"] < target_s),
               ("linear (per-piece cost at the largest / the smallest scale, worst phase or total)", worst, "<= 1.3",
                worst <= 1.3),
               ("read amplification of the load plan", full["read_amplification"], "<= 1.0",

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _planning_e2e import report_e2e, run_end_to_end  # noqa: E402
+from _planning_e2e import median_of, report_e2e, run_end_to_end  # noqa: E402
 from _util import GC, RESULTS, argv_line, goal, loadavg, log, machine, save_json, table  # noqa: E402
 
 import raydcp.planner as P  # noqa: E402
@@ -443,6 +443,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="afterwards, cProfile one more pass of raydcp's steps at full scale (not in the timings)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--e2e-repeats", type=int, default=3,
+                    help="runs of the end-to-end sequence at each scale (each phase: the median)")
     ap.add_argument("--end-to-end-only", action="store_true",
                     help="only the end-to-end table (plan + commit + metadata write + read + load plan)")
     args = ap.parse_args()
@@ -467,10 +469,14 @@ def main() -> None:
     e2e = []
     run_end_to_end(4, 2, lambda: raydcp_local_plans(4, 12), lambda: raydcp_load_plans(2, 4, 12), step, lambda m: None)
     for r, l in scales:
-        log(f"end to end: {r} ranks x {args.tensors} tensors = {r * args.tensors} pieces; load on {l} ranks")
-        e2e.append(run_end_to_end(r, l, lambda: raydcp_local_plans(r, args.tensors),
-                                  lambda: raydcp_load_plans(l, r, args.tensors), step, log))
-        gc.collect()
+        runs = []
+        for i in range(args.e2e_repeats):
+            log(f"end to end: {r} ranks x {args.tensors} tensors = {r * args.tensors} pieces; load on {l} ranks "
+                f"(run {i + 1} of {args.e2e_repeats})")
+            runs.append(run_end_to_end(r, l, lambda: raydcp_local_plans(r, args.tensors),
+                                       lambda: raydcp_load_plans(l, r, args.tensors), step, log))
+            gc.collect()
+        e2e.append(median_of(runs))
     e2e_text, e2e_summary = report_e2e(e2e, goal, table)
     dcp = None
     if not args.no_dcp and points:

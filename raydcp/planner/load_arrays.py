@@ -345,11 +345,18 @@ def _needed_parts(a: _Arrays) -> None:
     whole = False  # every part is its whole chunk: deliveries then need no boxes of their own
     if not len(gen_q) and other_ok.all():
         p_d = np.repeat(d1, n_c)
-        if d0 is not None:
-            c_lo, c_hi = np.take(s_off[:, d0], p_c), np.take(s_size[:, d0], p_c)
+        if a.line_all:  # the chunks' spans from the line (pair j's chunk p_c[j] is line[p_c[j]])
+            bk = np.repeat(a.base[k1], n_c)
+            c_lo, c_hi = np.take(a.line_start, p_c), np.take(a.line_end, p_c)
+            c_lo -= bk
+            c_hi -= bk
+            del bk
         else:
-            c_lo, c_hi = _pick(s_off, p_c, p_d), _pick(s_size, p_c, p_d)
-        c_hi += c_lo
+            if d0 is not None:
+                c_lo, c_hi = np.take(s_off[:, d0], p_c), np.take(s_size[:, d0], p_c)
+            else:
+                c_lo, c_hi = _pick(s_off, p_c, p_d), _pick(s_size, p_c, p_d)
+            c_hi += c_lo
         q_lo = np.repeat(q1_off, n_c)
         q_hi = np.repeat(q1_size, n_c)
         q_hi += q_lo
@@ -560,10 +567,12 @@ def _read_tables(a: _Arrays) -> list[RankLoadPlan]:
             "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,
             "joint": rjoint if len(sp_heads) and rjoint.any() else None}
     if stored:
-        bl = s_blen[rchunk]
         bounds = np.zeros(nreads + 1, np.int64)
-        np.cumsum(bl, out=bounds[1:])
-        total = int(bounds[-1])
+        total = 0
+        if s_blen.any():  # some chunk has block checksums (none has where every chunk is small)
+            bl = s_blen[rchunk]
+            np.cumsum(bl, out=bounds[1:])
+            total = int(bounds[-1])
         values_all = np.zeros(0, np.uint32)
         if total:
             everything = np.concatenate(block_arrays).astype(np.uint32, copy=False)
