@@ -278,17 +278,20 @@ def _pack_ranks(save_id: str, written: np.ndarray, starts: np.ndarray, nbytes: n
     """Every rank's :func:`_pack_columns` of the pieces ``written`` (positions in the concatenated
     items; rank r's items are ``starts[r]:starts[r + 1]``), the layout of all ranks at once: where a
     rank's pieces fit in one file (the usual case) its table is a slice of shared arrays."""
-    bounds = np.searchsorted(written, starts)  # rank r writes written[bounds[r]:bounds[r + 1]]
-    nb = nbytes[written]
-    aligned = -(-nb // ALIGN) * ALIGN
-    before = np.cumsum(aligned) - aligned  # where each piece starts in one long file of all ranks
+    every = len(written) == len(nbytes)  # every piece written by its holder (no replicas): no gathers
+    bounds = starts if every else np.searchsorted(written, starts)  # rank r writes written[bounds[r]:bounds[r + 1]]
+    nb = nbytes if every else nbytes[written]
+    before = nb + (ALIGN - 1)
+    before &= -ALIGN  # each piece's length rounded up to ALIGN (a power of two)
+    np.cumsum(before, out=before)
+    before -= nb  # where each piece starts in one long file of all ranks (its aligned length back off)
+    before &= -ALIGN
     counts = np.diff(bounds)
     has = counts > 0
-    rank_of = np.repeat(np.arange(world), counts)
     rank_start = np.zeros(world, np.int64)
     rank_start[has] = before[bounds[:-1][has]]
-    before -= rank_start[rank_of]  # now where each piece starts in its rank's one long file
-    items = written - starts[:-1][rank_of]
+    before -= np.repeat(rank_start, counts)  # now where each piece starts in its rank's one long file
+    items = written - np.repeat(starts[:-1], counts)
     last_end = np.zeros(world, np.int64)
     last_end[has] = (before + nb)[bounds[1:][has] - 1]
     one_file = (counts <= 1) | (last_end <= max_bytes)
