@@ -25,7 +25,10 @@ raydcp.transport.Wire (its columns, no per-piece objects). The coordinator recei
 the runtime's coordinator host does, with raydcp.transport.decode: plans whose items are built
 from the columns only on first use, which the planners' array paths never do. That receive step
 is timed too, outside the total ("receive"). Like the coordinator's actor, the process turns
-numpy's huge-page advice off first (raydcp.runtime.coordinator.planning_pages).
+numpy's huge-page advice off first and keeps the memory a plan frees for the next one
+(raydcp.runtime.coordinator.planning_pages). The end-to-end sequence runs --e2e-repeats times at
+each scale, one checkpoint after another as the coordinator's host runs them: each phase is the
+median of the runs, and the first run's total (all of its arrays fresh memory) is shown beside it.
 
 The process is pinned to one CPU (--cpus to change) and times are its CPU seconds: what a step
 costs on one idle core (wall time on a shared machine adds whatever else ran there). Linearity: the same steps at 1/4, 1/2 and

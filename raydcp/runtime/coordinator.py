@@ -36,6 +36,8 @@ coordinator was made with, for callers that name an owner; the host passes None)
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -43,14 +45,45 @@ from typing import Any, Callable
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure, RanksTimedOutError, raise_failures
 from ..transport import run_reduce
 
-__all__ = ["Coordinator", "planning_pages"]
+__all__ = ["Coordinator", "keep_planning_memory", "planning_pages"]
 
 _REDUCE = "reduce_scatter"
 _EXCHANGE = "exchange"
 
 
+# what the coordinator's process keeps of the memory its plans free (glibc's mallopt parameters)
+_MMAP_THRESHOLD = 64 << 20  # blocks up to this come from the heap and are reused, not mapped anew
+_TRIM_THRESHOLD = 1 << 30  # free memory at the top of a heap kept for the next plan, up to this
+_ARENA_MAX = 2  # heaps shared by the process's threads (bounds what is kept, at most this many times)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def keep_planning_memory() -> bool:
+    """Keep the memory a plan frees for the next one: True where the C library took the settings.
+
+    A plan or a load plan at a million pieces allocates and frees arrays of 8-16 MiB by the
+    hundred. glibc maps each such block afresh and unmaps it when freed (or trims it off its
+    heap), so every plan faults all of its memory in again, page by page: in a VM that cost a
+    fifth of the plan. Raised thresholds keep those blocks in the heap, where the next array
+    reuses them (a few arenas for the coordinator's threads, each keeping at most
+    ``_TRIM_THRESHOLD`` free). Only in the coordinator's process (``planning_pages``); elsewhere,
+    and where the C library is not glibc, nothing changes.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in (
+        (_M_ARENA_MAX, _ARENA_MAX), (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)))
+
+
 def planning_pages() -> bool:
-    """Give this process's planning memory ordinary pages; True where numpy has the switch.
+    """Give this process's planning memory ordinary pages, and keep what plans free for the next
+    (:func:`keep_planning_memory`); True where numpy has the huge-page switch.
 
     Called once where the coordinator's actor starts (``raydcp.runtime.actors``), and by
     ``bench/planning.py`` so that it measures what the coordinator runs; never on import, and
@@ -63,6 +96,7 @@ def planning_pages() -> bool:
     metadata's columns, decoded here, are its only large Arrow buffers). Ordinary pages fault
     at the same cost per byte at every scale.
     """
+    keep_planning_memory()
     try:
         import pyarrow as pa
 
