@@ -18,8 +18,10 @@ from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_ar
 from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _stack_items, _take
 from .chunk_index import _general_pairs
 from .joint_reads import _split_large_chunks
+from .line_search import _even_search, _line_search
 from .load_tiling import check_line_tiling
-from .types import PackedNames, RankLoadPlan, ReadTable, StoredChunks
+from .read_tables import _read_tables
+from .types import RankLoadPlan, StoredChunks
 
 
 def _names(keys: list[str], limit: int = 20) -> str:
@@ -36,7 +38,7 @@ def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: boo
     request and chunk that overlap (:func:`_overlapping_pairs`) and the part each delivers
     (:func:`_needed_parts`, which checks the parts cover every request exactly); one reader per
     needed chunk (:func:`_assign_readers`); each rank's reads in order (:func:`_order_reads`);
-    and the per-rank plans (:func:`_read_tables`). ``tiles``: the ``TensorMetas`` of a decoded
+    and the per-rank plans (:func:`.read_tables._read_tables`). ``tiles``: the ``TensorMetas`` of a decoded
     checkpoint whose chunks ``sources`` are (a ``_StoredSources`` over it), checked to tile their
     tensors on the line the overlap search lays out (:mod:`.load_tiling`).
     """
@@ -251,67 +253,6 @@ def _overlapping_pairs(a: _Arrays) -> None:
         p_q, p_c = np.concatenate([p_q, gq]), np.concatenate([p_c, gc])
     a.all_q1, a.d0, a.d1, a.gen_q, a.k1, a.n_c = all_q1, d0, d1, gen_q, k1, n_c
     a.p_c, a.p_q, a.q1, a.q1_off, a.q1_size = p_c, p_q, q1, q1_off, q1_size
-
-
-def _line_search(line_start, line_end, lo, hi, end: int):
-    """Per request [lo, hi) on the line: the first chunk that ends past lo, and the number of
-    chunks that start before hi (two binary searches over the line)."""
-    if end < 1 << 31:  # the binary searches on half the memory
-        line_end, line_start, lo, hi = (x.astype(np.int32) for x in (line_end, line_start, lo, hi))
-    # searched in the order of the line: requests come rank after rank, each rank's key after key,
-    # so in that order each search starts near the last one (in cache) instead of anywhere
-    qorder = np.argsort(lo, kind="stable") if len(lo) > 1 and (lo[1:] < lo[:-1]).any() else None
-    if qorder is not None:
-        lo, hi = lo[qorder], hi[qorder]
-    first = np.searchsorted(line_end, lo, side="right")
-    n_c = np.searchsorted(line_start, hi, side="left")
-    if qorder is not None:  # back in request order
-        found, first, n_c = (first, n_c), np.empty_like(first), np.empty_like(n_c)
-        first[qorder], n_c[qorder] = found
-    return first, n_c
-
-
-def _even_search(a, on_line, line_start, line_end, base, span, k1, lo, hi):
-    """What :func:`_line_search` finds, by arithmetic, where every key's chunks on the line are even:
-    chunk j of a key starts at j times the first one's length and is that long, the last one
-    maybe shorter (``torch.chunk``'s and DTensor's row shards). None where some key's are not."""
-    nkeys, n = a.nkeys, len(line_start)
-    if not n or not nkeys:
-        return None
-    per_key = np.diff(a.cstart) if a.line_all else np.bincount(a.s_key[on_line], minlength=nkeys)
-    at = np.zeros(nkeys + 1, np.int64)  # key k's chunks are line[at[k]:at[k + 1]]
-    np.cumsum(per_key, out=at[1:])
-    has = per_key > 0
-    width = np.ones(nkeys, np.int64)
-    width[has] = line_end[at[:-1][has]] - line_start[at[:-1][has]]
-    # chunk i of key k must start at base + (i - at[k]) * width and end at min(that + width, base + span)
-    expect = np.arange(n, dtype=np.int64)
-    expect -= np.repeat(at[:-1], per_key)
-    expect *= np.repeat(width, per_key)
-    expect += np.repeat(base, per_key)
-    if not np.array_equal(expect, line_start):
-        return None
-    expect += np.repeat(width, per_key)
-    np.minimum(expect, np.repeat(base + span, per_key), out=expect)
-    if not np.array_equal(expect, line_end):
-        return None
-    if (line_end[at[1:][has] - 1] != (base + span)[has]).any():  # the last chunk ends at the key's end
-        return None
-    b, w, cnt = base[k1], width[k1], per_key[k1]
-    first = lo - b
-    first //= w  # chunks that end at or before lo: all of them where lo is the key's end
-    np.minimum(first, cnt, out=first)
-    past = np.flatnonzero(lo >= b + span[k1])
-    first[past] = cnt[past]
-    n_c = hi - b
-    n_c += w
-    n_c -= 1
-    n_c //= w  # chunks that start before hi
-    np.minimum(n_c, cnt, out=n_c)
-    start = at[:-1][k1]
-    first += start
-    n_c += start
-    return first, n_c
 
 
 def _needed_parts(a: _Arrays) -> None:
@@ -544,69 +485,3 @@ def _order_reads(a: _Arrays) -> None:
         pairs[first] = sp[src]
 
     a.nreads, a.pairs, a.pb, a.rb, a.rchunk, a.rjoint = nreads, pairs, pb, rb, rchunk, rjoint
-
-
-def _read_tables(a: _Arrays) -> list[RankLoadPlan]:
-    """Every rank's :class:`RankLoadPlan`: its reads as one :class:`ReadTable` (columns sliced
-    from the reads of all ranks), what it receives, its plain values and byte counts."""
-    block_arrays, boxes, bytes_read, cstart, dtypes = a.block_arrays, a.boxes, a.bytes_read, a.cstart, a.dtypes
-    files, = a.files,
-    incoming, keys, local_plans, nd_key, needed = a.incoming, a.keys, a.local_plans, a.nd_key, a.needed
-    nreads, = a.nreads,
-    p_q, p_rank, pairs, pb, q_item, rb = a.p_q, a.p_rank, a.pairs, a.pb, a.q_item, a.rb
-    rchunk, rjoint, s_blen, s_boff, s_bstart, s_crc = a.rchunk, a.rjoint, a.s_blen, a.s_boff, a.s_bstart, a.s_crc
-    s_file, s_key, s_nbytes, s_off, s_size, sp_heads = a.s_file, a.s_key, a.s_nbytes, a.s_off, a.s_size, a.sp_heads
-    stored, tables, values, whole = a.stored, a.tables, a.values, a.whole
-    d_lo, d_sz = (None, None) if whole else boxes(pairs)
-    if whole and pairs is None and a.p_key is not None:  # read i is pair i, its part the whole chunk:
-        key, (off, size) = a.p_key, boxes(None)  # key and box from the requests' columns, in order
-    else:
-        key, off, size = s_key[rchunk], _take(s_off, rchunk), _take(s_size, rchunk)
-    cols = {"key": key, "offsets": off, "sizes": size,
-            "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
-            "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,
-            "joint": rjoint if len(sp_heads) and rjoint.any() else None}
-    if stored:
-        bounds = np.zeros(nreads + 1, np.int64)
-        total = 0
-        if s_blen.any():  # some chunk has block checksums (none has where every chunk is small)
-            bl = s_blen[rchunk]
-            np.cumsum(bl, out=bounds[1:])
-            total = int(bounds[-1])
-        values_all = np.zeros(0, np.uint32)
-        if total:
-            everything = np.concatenate(block_arrays).astype(np.uint32, copy=False)
-            values_all = everything[np.repeat(s_bstart[rchunk] - bounds[:-1], bl) + np.arange(total)]
-        cols.update({"file": s_file[rchunk], "byte_offset": s_boff[rchunk], "checksum": s_crc[rchunk],
-                     "block_values": values_all, "block_bounds": bounds})
-    else:
-        objs = [tables[k][c - cstart[k]] if not isinstance(tables[k], ChunkTable) else
-                StoredChunks(keys[k], dtypes[k], tables[k])[c - cstart[k]]
-                for c, k in zip(rchunk.tolist(), s_key[rchunk].tolist())]
-    # every rank's table names all the keys and files: one packed copy shared by them, so that a
-    # rank's plan travels with a bytes object for each list, not a string per key and per file
-    keys, dtypes, files = PackedNames.of(keys), PackedNames.of(dtypes), PackedNames.of(files)
-    per_read = [(n, x) for n, x in cols.items() if not n.startswith(("d_", "block_")) and x is not None]
-    per_delivery = [(n, x) for n, x in cols.items() if n.startswith("d_") and x is not None]
-    rbl = rb.tolist()
-    pbl = pb[rb].tolist()  # each rank's first and last delivery
-    bbl = cols["block_bounds"][rb].tolist() if stored else None  # and block checksum
-    incoming, bytes_read, needed = incoming.tolist(), bytes_read.tolist(), needed.tolist()
-    plans = []
-    for r, lp in enumerate(local_plans):
-        a, b = rbl[r], rbl[r + 1]
-        pa, pz = pbl[r], pbl[r + 1]
-        fields = {name: x[a:b] for name, x in per_read}
-        for name, x in per_delivery:
-            fields[name] = x[pa:pz]
-        if stored:
-            fields["block_values"] = cols["block_values"][bbl[r]:bbl[r + 1]]
-            fields["block_bounds"] = cols["block_bounds"][a:b + 1] - bbl[r]
-        else:
-            fields["sources"] = objs[a:b]
-        reads = ReadTable(keys=keys, dtypes=dtypes, ndims=nd_key, files=files, delivery_bounds=pb[a:b + 1] - pa,
-                          **fields)
-        plans.append(RankLoadPlan(rank=lp.rank, reads=reads, incoming=incoming[r],
-                                  values={k: values[k] for k in lp.values if k in values},
-                                  bytes_read=bytes_read[r], bytes_needed=needed[r]))
-    return plans
