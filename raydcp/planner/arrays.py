@@ -85,6 +85,8 @@ def _sorted_runs(cols: list[np.ndarray], runs: int) -> tuple[np.ndarray, list[np
             else:
                 return order, out
     order = _order(cols)
+    if n and (order[1:] - order[:-1] == 1).all():  # in order already (one rank's pieces): no copies
+        return order, list(cols)
     return order, [np.take(c, order) for c in cols]
 
 

@@ -36,9 +36,13 @@ def _even_search(a, on_line, line_start, line_end, base, span, k1, lo, hi):
     nkeys, n = a.nkeys, len(line_start)
     if not n or not nkeys:
         return None
-    per_key = np.diff(a.cstart) if a.line_all else np.bincount(a.s_key[on_line], minlength=nkeys)
-    at = np.zeros(nkeys + 1, np.int64)  # key k's chunks are line[at[k]:at[k + 1]]
-    np.cumsum(per_key, out=at[1:])
+    if a.line_all:  # the line is the chunks in key order: key k's are line[cstart[k]:cstart[k + 1]]
+        at = a.cstart
+        per_key = np.diff(at)
+    else:
+        per_key = np.bincount(a.s_key[on_line], minlength=nkeys)
+        at = np.zeros(nkeys + 1, np.int64)  # key k's chunks are line[at[k]:at[k + 1]]
+        np.cumsum(per_key, out=at[1:])
     has = per_key > 0
     width = np.ones(nkeys, np.int64)
     width[has] = line_end[at[:-1][has]] - line_start[at[:-1][has]]
