@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
-import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
@@ -27,6 +26,7 @@ from ..errors import CheckpointError
 from ..metadata import Metadata, TensorMeta
 from ..planner import numel
 from ..planner.tiling import piece_problems
+from ..storage.paths import location_to_fs
 from ..transport import LocalTransport
 from .keys import KeySelection
 
@@ -189,7 +189,7 @@ class Destination:
     def __init__(self, dst, storage_options: dict | None = None):
         self.url = os.fspath(dst)
         try:
-            self.fs, self.path = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, self.path = location_to_fs(self.url, storage_options)
         except Exception as exc:
             raise CheckpointError(f"cannot open {self.url}: {type(exc).__name__}: {exc}") from exc
         self.local = isinstance(self.fs, LocalFileSystem)

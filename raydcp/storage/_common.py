@@ -12,10 +12,10 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointDamagedError, CheckpointError, StorageError
+from .paths import has_protocol, location_to_fs
 
 METADATA_NAME = "raydcp.meta"
 
@@ -42,7 +42,7 @@ def open_fs(location: str | os.PathLike, storage_options: dict | None, what: str
             f"got {type(storage_options).__name__}"
         )
     try:
-        fs, path = fsspec.core.url_to_fs(location, **(storage_options or {}))
+        fs, path = location_to_fs(location, storage_options)
     except ImportError as exc:
         raise CheckpointError(
             f"cannot open {location}: {exc}. Install the fsspec backend for this protocol "
@@ -50,7 +50,8 @@ def open_fs(location: str | os.PathLike, storage_options: dict | None, what: str
         ) from exc
     except Exception as exc:
         raise CheckpointError(
-            f"cannot open {location}: {describe(exc)}; check the URL's protocol and storage_options"
+            f"cannot open {location}: {describe(exc)}; check the URL's protocol and storage_options "
+            "(a local path with '://' in it: start it with ./ or /)"
         ) from exc
     path = path.rstrip("/") or path
     return fs, path, to_url(fs, path, plain_local=is_plain_local(location, fs))
@@ -61,7 +62,7 @@ def is_local(fs) -> bool:
 
 
 def is_plain_local(location: str, fs) -> bool:
-    return is_local(fs) and fsspec.core.split_protocol(location)[0] is None
+    return is_local(fs) and not has_protocol(location)
 
 
 def to_url(fs, path: str, *, plain_local: bool) -> str:
