@@ -12,60 +12,86 @@ from __future__ import annotations
 import base64
 import functools
 import math
+import sys
 import warnings
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import crc32c as _crc32c
 import numpy as np
-import torch
 
 from .errors import CheckpointError
 from .metadata import COMPRESSIONS
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
-    "DTYPES", "dtype_name", "dtype_from_name", "tensor_bytes", "tensor_from_bytes",
+    "DTYPES", "dtype_name", "dtype_from_name", "itemsize", "tensor_bytes", "tensor_from_bytes",
     "checksum", "block_checksums", "checksums", "crc32c_combine", "combine_block_checksums",
     "COMPRESSIONS", "check_compression", "compress", "decompress",
     "encode_value", "decode_value", "is_plain_value",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16",
-        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "complex128", "complex64", "complex32",
-        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
-    )
-    if hasattr(torch, name)
+# torch is imported when a tensor is made or named, not with this module: reading metadata,
+# checking checksums and planning (`raydcp inspect`, `verify`, `ls`) work on names and bytes.
+# The element sizes of the stored dtypes are part of the format (docs/FORMAT.md).
+_ITEMSIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
 }
-_NAMES = {dt: name for name, dt in DTYPES.items()}
+_TABLES: tuple[dict, dict] | None = None  # (name -> torch.dtype, torch.dtype -> name), built on first use
+
+
+def _tables() -> tuple[dict, dict]:
+    global _TABLES
+    if _TABLES is None:
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in _ITEMSIZES if hasattr(torch, name)}
+        _TABLES = (dtypes, {dt: name for name, dt in dtypes.items()})
+    return _TABLES
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":  # name -> torch.dtype of every dtype this torch has (imports torch)
+        return _tables()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch.Tensor, without importing torch (no tensor exists before it is)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return _NAMES[dtype]
+        return _tables()[1][dtype]
     except KeyError:
-        raise CheckpointError(f"dtype {dtype} cannot be stored; supported: {', '.join(DTYPES)}") from None
+        raise CheckpointError(f"dtype {dtype} cannot be stored; supported: {', '.join(_tables()[0])}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     try:
-        return DTYPES[name]
+        return _tables()[0][name]
     except KeyError:
         raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata (written by a newer raydcp?)") from None
 
 
-_ITEMSIZES = {name: dt.itemsize for name, dt in DTYPES.items()}
-
-
 def itemsize(name: str) -> int:
+    """Bytes per element of the stored dtype ``name`` (no torch needed)."""
     size = _ITEMSIZES.get(name)
-    return size if size is not None else dtype_from_name(name).itemsize
+    if size is None:
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata (written by a newer raydcp?)")
+    return size
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 CPU view of ``t``'s element bytes (copies only if ``t`` is not contiguous or on a device)."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -74,6 +100,8 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_from_bytes(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor viewing ``buf`` (bytes-like or uint8 tensor) as ``dtype`` with ``shape`` (no copy)."""
+    import torch
+
     if isinstance(buf, torch.Tensor):
         raw = buf
     else:
@@ -89,14 +117,14 @@ def tensor_from_bytes(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Ten
 
 def checksum(data: Any) -> int:
     """CRC32C (hardware accelerated where the CPU has it) of a bytes-like or uint8 tensor."""
-    if isinstance(data, torch.Tensor):
+    if _is_tensor(data):
         data = data.numpy() if data.numel() else b""
     return _crc32c.crc32c(data)
 
 
 def block_checksums(data: Any, block: int) -> tuple[int, ...]:
     """CRC32C of each ``block``-byte block of a buffer larger than one block (empty otherwise)."""
-    if isinstance(data, torch.Tensor):
+    if _is_tensor(data):
         data = data.numpy()
     view = memoryview(data).cast("B")
     if len(view) <= block:
@@ -113,7 +141,7 @@ def checksums(data: Any, block: int) -> tuple[int, tuple[int, ...]]:
     blocks = block_checksums(data, block)
     if not blocks:
         return checksum(data), ()
-    n = data.numel() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+    n = data.numel() if _is_tensor(data) else memoryview(data).nbytes
     return combine_block_checksums(blocks, n, block), blocks
 
 
@@ -205,7 +233,7 @@ def check_compression(name: Any) -> None:
 def compress(name: str, data: Any) -> memoryview:
     """``data`` (a bytes-like or uint8 tensor) compressed with codec ``name``, as one frame that
     :func:`decompress` reads back alone. Releases the GIL while it compresses."""
-    if isinstance(data, torch.Tensor):
+    if _is_tensor(data):
         data = data.numpy()
     return _bytes_of(_codec(name).compress(data))
 
