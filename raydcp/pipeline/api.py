@@ -78,7 +78,11 @@ class CheckpointPipeline:
     :class:`Tier`); checkpoint ``NAME`` lives at ``<tier>/NAME`` on each. ``retention``: per tier,
     ``{0: {"keep_last": 3}, 1: {"keep_every": 10}}`` (keyed by index or URL). ``verify``: check
     every checksum of each copy once it commits. ``export``: ``"safetensors"`` writes
-    ``<copy>/export/safetensors`` on ``export_tier`` (the last by default). ``hooks``: callables
+    ``<copy>/export/safetensors`` on ``export_tier`` (the last by default); ``export_keys`` (a
+    :class:`raydcp.convert.KeySelection` or a dict of its fields: ``drop_optimizer``,
+    ``drop_prefixes``, ``strip_prefixes``, ``dtype``, ``dtype_all``, as ``raydcp convert``'s key
+    options) picks, renames and casts its keys; e.g. ``{"drop_optimizer": True,
+    "strip_prefixes": ["model"]}`` gives a Hugging Face model's keys. ``hooks``: callables
     ``hook(info)`` or Ray remote functions, run on the cluster after commit. ``storage_options``:
     fsspec options for the tiers that are not local directories.
 
@@ -94,7 +98,7 @@ class CheckpointPipeline:
 
     def __init__(self, tiers: Sequence[Any], *, retention: Mapping[Any, Any] | Sequence[Any] | None = None,
                  verify: bool = True, export: str | None = None, export_tier: int = -1,
-                 hooks: Sequence[Any] = (), storage_options: Mapping[str, Any] | None = None,
+                 export_keys: Any = None, hooks: Sequence[Any] = (), storage_options: Mapping[str, Any] | None = None,
                  retry: RetryPolicy | None = None, part_bytes: int = 64 << 20, max_parallel: int = 8,
                  on_event: Callable[[dict], None] | None = None, async_save: bool = True,
                  max_staging_bytes: int | None = None, driver: str = "auto", max_restarts: int = 3,
@@ -102,8 +106,8 @@ class CheckpointPipeline:
                  load_options: LoadOptions | None = None):
         self.config = PipelineConfig(
             tiers=make_tiers(tiers, retention, storage_options), verify=bool(verify), export=export,
-            export_tier=export_tier, hooks=tuple(hooks), retry=retry or RetryPolicy(), part_bytes=part_bytes,
-            max_parallel=max_parallel, on_event=on_event)
+            export_tier=export_tier, export_keys=export_keys, hooks=tuple(hooks), retry=retry or RetryPolicy(),
+            part_bytes=part_bytes, max_parallel=max_parallel, on_event=on_event)
         if driver not in ("auto", "ray", "local"):
             raise CheckpointError(f"driver must be 'auto', 'ray' or 'local', got {driver!r}")
         for name, value, kind in (("save_options", save_options, SaveOptions),

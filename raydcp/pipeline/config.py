@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from ..convert.keys import KeySelection
 from ..errors import CheckpointError
 from .policy import RetryPolicy, Tier
 from .status import StatusRecord, TierCopy, plan_stages
@@ -26,12 +27,17 @@ class PipelineConfig:
 
     ``hooks`` are callables ``hook(info: dict)`` or Ray remote functions, run after commit on the
     cluster; ``on_event(event: dict)`` is told of every stage start, end and progress step.
+    ``export_keys``: the keys the export keeps, under which names, in which dtype (a
+    :class:`raydcp.convert.KeySelection`, or a dict of its fields), as ``raydcp convert``'s
+    ``--drop-optimizer``, ``--drop``, ``--strip-prefix``, ``--dtype`` and ``--dtype-all`` do;
+    None exports every tensor as saved.
     """
 
     tiers: tuple[Tier, ...]
     verify: bool = True
     export: str | None = None
     export_tier: int = -1
+    export_keys: KeySelection | None = None
     hooks: tuple[Any, ...] = ()
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     part_bytes: int = 64 << 20
@@ -47,6 +53,9 @@ class PipelineConfig:
         if not isinstance(self.export_tier, int) or not -n <= self.export_tier < n:
             raise CheckpointError(f"export_tier={self.export_tier!r} is not a tier index (there are {n} tiers)")
         object.__setattr__(self, "export_tier", self.export_tier % n)
+        object.__setattr__(self, "export_keys", _key_selection(self.export_keys))
+        if self.export_keys is not None and self.export is None:
+            raise CheckpointError("export_keys selects the keys of an export: it needs export='safetensors'")
         for h in self.hooks:
             if not callable(h) and not hasattr(h, "remote"):
                 raise CheckpointError(f"a hook must be a callable or a Ray remote function, got {h!r}")
@@ -79,6 +88,23 @@ class PipelineConfig:
             hooks=self.hook_names, retention_tiers=[i for i, t in enumerate(self.tiers) if t.retention is not None])
         return StatusRecord(name=name, seq=seq, step=step, node_id=node_id,
                             tiers=[TierCopy(t.copy_url(name)) for t in self.tiers], stages=stages)
+
+
+def _key_selection(value: Any) -> KeySelection | None:
+    """``export_keys`` as a KeySelection: one as is, a dict of its fields built into one."""
+    if value is None or isinstance(value, KeySelection):
+        return value
+    if not isinstance(value, Mapping):
+        raise CheckpointError(f"export_keys must be a raydcp.convert.KeySelection, a dict of its fields or None, "
+                              f"got {type(value).__name__}")
+    known = [f.name for f in fields(KeySelection)]
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise CheckpointError(f"export_keys has unknown field(s) {', '.join(unknown)}; the fields are "
+                              f"{', '.join(known)}")
+    args = {k: tuple([v] if isinstance(v, str) else v) if k in ("drop_prefixes", "strip_prefixes") else v
+            for k, v in value.items()}
+    return KeySelection(**args)
 
 
 class Runner(Protocol):

@@ -314,7 +314,8 @@ class PipelineDriver:
             from ..convert import to_safetensors
 
             url = self.config.export_url(name)
-            result = to_safetensors(tiers[k].copy_url(name), url, storage_options=tiers[k].options(), overwrite=True)
+            result = to_safetensors(tiers[k].copy_url(name), url, storage_options=tiers[k].options(), overwrite=True,
+                                    select=self.config.export_keys)
             return result.nbytes, url
         if entry.stage == "hook":
             hook = dict(zip(self.config.hook_names, self.config.hooks))[entry.detail]

@@ -29,10 +29,11 @@ Protocol (who calls what):
    generation files. A failed save removes its own files before it returns
    (:func:`remove_save_files`).
 
-Guarantee per backend: local disks (``O_EXCL``) and s3 (conditional put) serialise commits
-exactly. fsspec's memory filesystem does within one process. On other filesystems the creation
-is a check then a write, verified by reading it back: a race inside that window can let both
-saves believe they won, and the metadata then ends as one of them, complete.
+Guarantee per backend: local disks (``O_EXCL``), s3 (conditional put) and raydcp's ``raymem://``
+and ``raynode://`` tiers (a compare-and-set in each node's holder) serialise commits exactly.
+fsspec's memory filesystem does within one process. On other filesystems the creation is a
+check then a write, verified by reading it back: a race inside that window can let both saves
+believe they won, and the metadata then ends as one of them, complete.
 """
 from __future__ import annotations
 

@@ -32,8 +32,9 @@ __all__ = ["CheckpointStorage"]
 _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
 
 # Filesystems whose pipe_file(mode="create") is an exclusive creation: s3fs sends a conditional
-# put (If-None-Match: *), fsspec's memory filesystem checks and creates in one call of one process.
-_EXCLUSIVE_CREATE = frozenset({"s3", "s3a", "memory"})
+# put (If-None-Match: *), fsspec's memory filesystem checks and creates in one call of one process,
+# raydcp's memory and node-local tiers by a compare-and-set in each node's holder actor.
+_EXCLUSIVE_CREATE = frozenset({"s3", "s3a", "memory", "raymem", "raynode"})
 
 
 class CheckpointStorage:
