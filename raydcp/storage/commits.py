@@ -11,9 +11,21 @@ Files (relative to the checkpoint directory):
 - ``_raydcp/gen-<n>.meta``: commit ``n`` (1, 2, ...), holding the metadata it committed. It is
   created exclusively: of two saves based on the same generation, one creates ``n`` and the
   other fails with :class:`~raydcp.errors.ConcurrentSaveError`.
-- ``_raydcp/begun-<save_id>``: written (empty) when a save starts, before any data file: this
-  path owns ``data/<save_id>/``. Only directories named by such a record (or by the metadata a
-  commit replaces) are ever removed, and only files in them that follow raydcp's own naming.
+- ``_raydcp/begun-<save_id>``: written (empty) when a save starts, before any data file: a
+  record of the saves in flight, removed once their commit can no longer happen.
+
+What a path owns: the directories ``data/<save_id>/`` of save ids the commit log makes
+(``g<generation>-<12 hex>``) found in its own ``data/`` (never through a symbolic link: a
+checkpoint whose ``data/`` links to another's owns none of it), the directory of a save id a
+replaced metadata names, and in them only the files that follow raydcp's own naming. Cleanup
+reads ``data/`` itself, so it does not depend on the ``begun`` records surviving.
+
+A damaged log never wedges a path: names that are not the writer's own (``gen-7.meta``,
+``gen-x.meta``) are ignored; a forged high generation only moves the count on (the writer's names
+have no upper bound) and is pruned two commits later; a log that lost its generation files is
+rebuilt when the next save begins, from what is committed: the metadata file's bytes become the
+generation that the save ids in ``data/`` show was reached, so no save begun on the lost log can
+commit over a newer one.
 
 Protocol (who calls what):
 
@@ -24,9 +36,9 @@ Protocol (who calls what):
    ``g``, creates ``gen-<g+1>.meta`` exclusively, then publishes the same bytes as the metadata
    file (re-publishing the newest generation if a later commit raced the publish), so the
    metadata file always ends as the newest commit's;
-4. :func:`prune` removes what can no longer be committed or read: saves begun on a generation
-   older than the new one (crashed, failed or lost saves), the replaced save's files, older
-   generation files. A failed save removes its own files before it returns
+4. :func:`prune` removes what can no longer be committed or read: the data of every save begun
+   on another generation than the new one (the replaced save, crashed, failed or lost saves), the
+   replaced save's files, older generation files. A failed save removes its own files before it returns
    (:func:`remove_save_files`).
 
 Guarantee per backend: local disks (``O_EXCL``), s3 (conditional put) and raydcp's ``raymem://``
@@ -38,22 +50,29 @@ believe they won, and the metadata then ends as one of them, complete.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import secrets
 from typing import Iterable
 
 from ..errors import CheckpointError, ConcurrentSaveError
+from ._common import METADATA_NAME, forget, is_local, translating
 
 __all__ = ["LOG_DIR", "begin_save", "save_generation", "current_generation", "commit_generation", "prune",
-           "remove_save_files", "owned_file", "raydcp_data_file", "begun_saves"]
+           "remove_save_files", "owned_file", "raydcp_data_file", "raydcp_file", "begun_saves", "linked"]
 
 LOG_DIR = "_raydcp"
-_GEN = re.compile(r"^_raydcp/gen-(\d{12})\.meta$")
+# the writer's names: at least 12 digits, no leading zero beyond them (gen-1000000000000.meta follows 999999999999)
+_GEN = re.compile(r"^_raydcp/gen-(\d{12}|[1-9]\d{12,})\.meta$")
 _BEGUN = re.compile(r"^_raydcp/begun-(g\d+-[0-9a-f]{12})$")
 _SAVE_ID = re.compile(r"^g(\d+)-[0-9a-f]{12}$")
 _LEGACY_SAVE_ID = re.compile(r"^[0-9a-f]{16}$")  # save ids before the commit log
 # the files raydcp writes in data/<save_id>/: rank files, round files, the round journal
 _OWN_FILE = re.compile(r"^(?:\d{5}/)?r\d{5}-f\d{3}\.bin$|^journal/(?:job|\d{5})\.json$")
+# the other files raydcp writes in a checkpoint directory: the metadata (and the temporary file of
+# its atomic publish on a local disk), the commit log's records
+_OWN_TOP = re.compile(rf"^{re.escape(METADATA_NAME)}(?:\.tmp-[0-9a-f]{{16}})?$"
+                      r"|^_raydcp/gen-\d{12,}\.meta$|^_raydcp/begun-[^/]+$")
 _KEEP_GENERATIONS = 2
 
 
@@ -87,10 +106,34 @@ def begun_saves(storage) -> list[str]:
 
 
 def begin_save(storage) -> str:
-    """Step 1: a new save id on the current generation, recorded as this path's before any write."""
-    save_id = f"g{current_generation(storage)}-{secrets.token_hex(6)}"
+    """Step 1: a new save id on the current generation, recorded as this path's before any write.
+
+    Where ``data/`` shows a save begun on a later generation than the log's newest (the log lost
+    its generation files), the log is rebuilt first (:func:`_rebuild`)."""
+    save_id = f"g{_rebuild(storage)}-{secrets.token_hex(6)}"
     storage.write_file(f"{LOG_DIR}/begun-{save_id}", b"")
     return save_id
+
+
+def _rebuild(storage) -> int:
+    """The current generation, after rebuilding a log that lost its newest generation files.
+
+    Generations only grow and a save begins on one that exists, so a save id in ``data/`` begun on
+    generation ``b`` proves the path reached ``b``. When the log's newest is below that and a
+    checkpoint is committed here, ``gen-<b>.meta`` is made again from the committed metadata: new
+    saves begin on ``b``, and a save begun on the lost log can commit only as one of them (one
+    winner, by the exclusive creation of ``b + 1``)."""
+    now = current_generation(storage)
+    reached = max((b for b in map(save_generation, _save_dirs(storage)) if b is not None), default=0)
+    if reached <= now:
+        return now
+    try:
+        metadata = storage.read_file(METADATA_NAME)
+    except CheckpointError:
+        return now  # nothing committed to rebuild from: the leftovers go at the next commit's prune
+    with contextlib.suppress(FileExistsError):
+        storage.create_exclusive(_gen_name(reached), metadata)
+    return current_generation(storage)
 
 
 def _lost(storage, save_id: str, base: int, now: int) -> ConcurrentSaveError:
@@ -133,12 +176,18 @@ def commit_generation(storage, save_id: str, metadata: bytes) -> int:
 
 
 def _settle(storage, published: int) -> None:
-    """Make the metadata file the newest generation's: a later commit may have published before us."""
+    """Make the metadata file the newest generation's: a later commit may have published before us.
+
+    Best effort: this save has committed, and a generation file that cannot be read (removed by
+    the later commit's prune, or damaged) leaves the metadata to that commit's own publish."""
     for _ in range(100):
         newest = current_generation(storage)
         if newest <= published:
             return
-        storage.commit(storage.read_file(_gen_name(newest)))
+        try:
+            storage.commit(storage.read_file(_gen_name(newest)))
+        except CheckpointError:
+            return
         published = newest
 
 
@@ -158,12 +207,60 @@ def raydcp_data_file(name: str) -> bool:
     return bool(_SAVE_ID.match(sid) or _LEGACY_SAVE_ID.match(sid)) and owned_file(sid, name)
 
 
+def raydcp_file(name: str) -> bool:
+    """True if ``name`` (relative to a checkpoint directory) follows raydcp's own naming: the
+    metadata, the commit log's records, and the files of ``data/<save id>/`` (a save id of any
+    spelling: a caller may choose its own) named as raydcp names them. Retention removes these
+    and nothing else (:func:`raydcp.storage.remove_checkpoint`)."""
+    if _OWN_TOP.match(name):
+        return True
+    parts = name.split("/", 2)
+    return len(parts) == 3 and parts[0] == "data" and bool(parts[1]) and owned_file(parts[1], name)
+
+
+def linked(storage, name: str) -> bool:
+    """True if the file or directory ``name`` of ``storage`` is reached through a symbolic link
+    below the checkpoint directory (``data/`` linked to another checkpoint's, or ``name`` itself
+    a link). Removal never goes through one: what a link reaches belongs to another place."""
+    if not is_local(storage.fs):
+        return False  # object stores and raydcp's tiers have no links
+    path = storage.path
+    for part in name.strip("/").split("/"):
+        path = f"{path}/{part}"
+        if os.path.islink(path):
+            return True
+    return False
+
+
+def _save_dirs(storage) -> list[str]:
+    """The names of the directories directly under this path's own ``data/`` (not a linked one)."""
+    base = f"{storage.path}/data"
+    with translating("list the saves of", storage.url):
+        if is_local(storage.fs):
+            if os.path.islink(base):
+                return []
+            try:
+                return sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        forget(storage.fs, base)
+        try:
+            entries = storage.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+
 def remove_save_files(storage, save_id: str, keep: Iterable[str] = ()) -> None:
-    """Remove the files of ``data/<save_id>/`` that raydcp's naming says are its own, except ``keep``."""
+    """Remove the files of ``data/<save_id>/`` that raydcp's naming says are its own, except
+    ``keep``; nothing reached through a symbolic link (:func:`linked`)."""
     if not (_SAVE_ID.match(save_id) or _LEGACY_SAVE_ID.match(save_id)):
         return  # not a save id raydcp makes: never delete by it
+    if linked(storage, f"data/{save_id}"):
+        return
     keep = set(keep)
-    names = [n for n in storage.list_files(f"data/{save_id}/") if owned_file(save_id, n) and n not in keep]
+    names = [n for n in storage.list_files(f"data/{save_id}/")
+             if owned_file(save_id, n) and n not in keep and not linked(storage, n.rsplit("/", 1)[0])]
     if names:
         storage.remove_files(names)
 
@@ -171,20 +268,28 @@ def remove_save_files(storage, save_id: str, keep: Iterable[str] = ()) -> None:
 def prune(storage, generation: int, save_id: str, replaced_save_id: str | None = None) -> None:
     """Step 4, after commit ``generation`` of ``save_id``: remove the files no commit can reach.
 
-    - saves begun on an older generation (their commit can only fail now), with their records;
+    - the data of every save in this path's ``data/`` begun on another generation (the save this
+      commit replaced, and crashed, failed or lost saves: their commit can only fail now; one
+      begun on a later generation comes from a log that lost its files, see :func:`_rebuild`),
+      found by listing ``data/`` (the ``begun`` records may be gone), and those records;
     - ``replaced_save_id``: the save whose metadata this commit replaced (found in the old
       metadata; the only way to clean a save from before the commit log);
     - generation files older than the last two.
-    Best effort: a failure leaves garbage for the next commit, never an error.
+    Saves begun on ``generation`` itself started after this commit and stay. Best effort: a
+    failure leaves garbage for the next commit, never an error.
     """
+    own = save_id.split("/", 1)[0]
     try:
         log = _log(storage)
-        for sid in (m.group(1) for m in map(_BEGUN.match, log) if m):
+        for sid in _save_dirs(storage):
             base = save_generation(sid)
-            if sid != save_id and base is not None and base < generation:
+            if sid != own and _SAVE_ID.match(sid) and base != generation:
                 remove_save_files(storage, sid)
-                storage.remove_files([f"{LOG_DIR}/begun-{sid}"])
-        if replaced_save_id and replaced_save_id.split("/", 1)[0] != save_id.split("/", 1)[0]:
+        stale = [name for name, sid in ((n, m.group(1)) for n, m in ((n, _BEGUN.match(n)) for n in log) if m)
+                 if sid != own and save_generation(sid) != generation]
+        if stale:
+            storage.remove_files(stale)
+        if replaced_save_id and replaced_save_id.split("/", 1)[0] != own:
             remove_save_files(storage, replaced_save_id.split("/", 1)[0])
         old = [_gen_name(g) for g in _generations(log) if g <= generation - _KEEP_GENERATIONS]
         if old:

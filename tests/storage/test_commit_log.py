@@ -1,11 +1,15 @@
 """Conformance: the commit log (raydcp.storage.commits) on every backend -- exclusive creation,
-one winner among saves begun on the same commit, and removal of nothing but what a path began."""
+one winner among saves begun on the same commit, removal of nothing but what a path owns, and a
+damaged log (forged, corrupt or missing records) that never wedges the path."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
+import torch
 
+import raydcp
 from raydcp.errors import ConcurrentSaveError
 from raydcp.storage import CheckpointStorage
 from raydcp.storage.commits import begin_save, commit_generation, current_generation, prune, save_generation
@@ -67,8 +71,8 @@ def test_prune_removes_only_what_this_path_began(storage):
     foreign = {
         "data/labels.csv": b"id,label",
         "data/notes/r00000-f000.bin": b"a user's file named like ours",
-        "data/0123456789abcdef/r00000-f000.bin": b"another checkpoint's save in a shared data/",
-        "data/g0-aaaaaaaaaaaa/r00000-f000.bin": b"a save begun at another path",
+        "data/0123456789abcdef/r00000-f000.bin": b"a save id from before the commit log, not replaced here",
+        "data/g1-custom/r00000-f000.bin": b"not a save id the commit log makes",
     }
     for name, data in foreign.items():
         storage.write_file(name, [data])
@@ -85,3 +89,101 @@ def test_prune_removes_only_what_this_path_began(storage):
     assert storage.read_file(f"data/{second}/r00000-f000.bin") == b"2"
     for name, data in foreign.items():
         assert storage.read_file(name) == data, name
+
+
+def _save(storage, payload: bytes) -> str:
+    """One whole save through the log: begin, write, commit, prune; returns its id."""
+    sid = begin_save(storage)
+    storage.write_file(f"data/{sid}/r00000-f000.bin", [payload])
+    prune(storage, commit_generation(storage, sid, b"metadata " + payload), sid)
+    return sid
+
+
+def _begun(storage) -> list[str]:
+    return [n for n in storage.list_files("_raydcp/") if n.startswith("_raydcp/begun-")]
+
+
+def test_a_forged_high_generation_does_not_wedge_the_path(storage):
+    first = _save(storage, b"1")
+    storage.write_file("_raydcp/gen-999999999999.meta", [b"forged"])
+    ids = [_save(storage, str(i).encode()) for i in range(2, 5)]  # each used to fail: ConcurrentSaveError
+    assert storage.read_metadata_bytes() == b"metadata 4"
+    assert current_generation(storage) == 999999999999 + 3
+    assert "_raydcp/gen-999999999999.meta" not in storage.list_files("_raydcp/")  # pruned like any other
+    assert not storage.exists(f"data/{first}/r00000-f000.bin")
+    assert [n for n in storage.list_files("data/")] == [f"data/{ids[-1]}/r00000-f000.bin"]
+
+
+def test_unknown_and_corrupt_log_records_are_ignored(storage):
+    _save(storage, b"1")
+    for name, data in {"_raydcp/gen-7.meta": b"not the writer's name", "_raydcp/gen-x.meta": b"?",
+                       "_raydcp/gen-0000000000099.meta": b"a leading zero the writer never writes",
+                       "_raydcp/begun-nonsense": b""}.items():
+        storage.write_file(name, [data])
+    storage.write_file("_raydcp/gen-000000000001.meta", [b"\x00corrupt"])  # the current generation's record
+    assert current_generation(storage) == 1
+    _save(storage, b"2")
+    _save(storage, b"3")
+    assert storage.read_metadata_bytes() == b"metadata 3"
+    assert current_generation(storage) == 3
+
+
+def test_cleanup_does_not_depend_on_the_begun_records(storage):
+    first = _save(storage, b"1")
+    crashed = begin_save(storage)  # a save whose process died after writing
+    storage.write_file(f"data/{crashed}/r00000-f000.bin", [b"partial"])
+    storage.remove_files(_begun(storage))  # the records are lost
+    second = _save(storage, b"2")
+    assert storage.list_files("data/") == [f"data/{second}/r00000-f000.bin"]  # the replaced and the crashed save
+    assert storage.read_metadata_bytes() == b"metadata 2"
+
+
+def test_a_log_that_lost_its_generations_is_rebuilt_from_what_is_committed(storage):
+    for i in range(3):
+        committed = _save(storage, str(i).encode())
+    in_flight = begin_save(storage)  # began on generation 3
+    storage.write_file(f"data/{in_flight}/r00000-f000.bin", [b"late"])
+    storage.remove_files([n for n in storage.list_files("_raydcp/") if "/gen-" in n])
+    assert current_generation(storage) == 0
+
+    after = begin_save(storage)  # the log is rebuilt: data/ shows generation 3 was reached
+    assert save_generation(after) == 3
+    assert storage.read_file("_raydcp/gen-000000000003.meta") == b"metadata 2"
+    storage.write_file(f"data/{after}/r00000-f000.bin", [b"new"])
+    prune(storage, commit_generation(storage, after, b"metadata new"), after)
+    with pytest.raises(ConcurrentSaveError):  # one winner among the saves begun on generation 3
+        commit_generation(storage, in_flight, b"metadata late")
+    assert storage.read_metadata_bytes() == b"metadata new"
+    assert storage.list_files("data/") == [f"data/{after}/r00000-f000.bin"]
+    assert committed != after
+
+
+def test_a_forged_generation_does_not_wedge_raydcp_save(tmp_path):
+    path = str(tmp_path / "ckpt")
+    raydcp.save({"w": torch.zeros(4)}, path)
+    os.makedirs(f"{path}/_raydcp", exist_ok=True)
+    with open(f"{path}/_raydcp/gen-999999999999.meta", "wb") as f:
+        f.write(b"forged")
+    for step in (1, 2):
+        raydcp.save({"w": torch.full((4,), float(step))}, path)
+        out = {"w": torch.empty(4)}
+        raydcp.load(out, path)
+        assert torch.equal(out["w"], torch.full((4,), float(step)))
+    assert len(os.listdir(f"{path}/data")) == 1
+
+
+def test_a_copy_whose_data_links_to_the_original_keeps_the_original_whole(tmp_path):
+    original = CheckpointStorage(str(tmp_path / "original"))
+    sid = _save(original, b"original")
+    copy_dir = tmp_path / "copy"
+    copy_dir.mkdir()
+    os.symlink(tmp_path / "original" / "data", copy_dir / "data")
+    copy = CheckpointStorage(str(copy_dir))
+    copy.commit(original.read_metadata_bytes())  # the copy's metadata names the linked data
+
+    # a save at the copy replaces the original's save id there: it must not reach through the link
+    new = begin_save(copy)
+    assert not copy.exists(f"data/{new}/r00000-f000.bin")
+    prune(copy, commit_generation(copy, new, b"metadata of the copy"), new, replaced_save_id=sid)
+    assert original.read_file(f"data/{sid}/r00000-f000.bin") == b"original"
+    assert original.read_metadata_bytes() == b"metadata original"
