@@ -12,7 +12,7 @@ from .errors import (CheckpointDamagedError, CheckpointError, CheckpointNotFound
 from .group import Group
 from .lazy import lazy_attribute
 
-__all__ = ["save", "async_save", "load", "read_metadata", "Shard", "Group", "CheckpointError",
+__all__ = ["save", "async_save", "load", "read_metadata", "prepare_group", "Shard", "Group", "CheckpointError",
            "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "ConcurrentSaveError",
            "StateMismatchError",
            "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 # The public names load their modules (torch, numpy, pyarrow) on first use, so that
 # `import raydcp.cli` and `raydcp --help` stay fast; `from raydcp import save` works as before.
-_LAZY = {"save": ".api", "async_save": ".api", "load": ".api", "read_metadata": ".api",
+_LAZY = {"save": ".api", "async_save": ".api", "load": ".api", "read_metadata": ".api", "prepare_group": ".api",
          "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group",
          "SaveOptions": ".options", "LoadOptions": ".options", "IOOptions": ".options"}
 

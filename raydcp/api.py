@@ -56,10 +56,10 @@ class GroupBinding:
 
 def implicit_group() -> Group | None:
     """What ``group=None`` means here: inside a Ray Train worker, the worker group's own Group
-    (:func:`raydcp.train.checkpoint.worker_group`); else one participant (None). A process of a
+    (:func:`raydcp.runtime.train_group.worker_group`); else one participant (None). A process of a
     torch.distributed job of several ranks is refused: each rank would save alone."""
     if "ray.train" in sys.modules:  # a Ray Train worker has imported it already; elsewhere skip the import
-        from .train.checkpoint import worker_group
+        from .runtime.train_group import worker_group
 
         group = worker_group()
         if group is not None:
@@ -94,7 +94,18 @@ def resolve_group(group: Group | None) -> GroupBinding:
 
 
 def prepare_group(group: Group, *, async_save: bool = False) -> None:
-    """``Group.prepare``: start the cluster's coordinator host if none runs (and this rank's persister actor)."""
+    """Start the cluster's coordinator host in the background, if none runs (returns at once; optional).
+
+    Every group's operations run in one coordinator host per Ray cluster; the first operation in a
+    fresh cluster otherwise pays for starting it (a Ray actor, and the imports its reductions
+    need); a rank that calls this at start-up, e.g. before its first training step, moves that
+    cost off the first checkpoint. One rank is enough; every rank may call it.
+    ``async_save=True`` also starts this rank's persister actor, which the first ``async_save``
+    would otherwise start (its first persist then competes with training for as long as the actor
+    takes to start).
+    """
+    if not isinstance(group, Group):
+        raise CheckpointError(f"group must be a raydcp.Group, got {type(group).__name__}")
     if group.world_size > 1:
         from .runtime.actors import prepare_host
 
@@ -203,10 +214,10 @@ def async_save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
 
 
 # -- the pipeline's driver -----------------------------------------------------------------------
-def pipeline_driver(config, kind: str, *, max_restarts: int = 3):
+def pipeline_driver(config, kind: str, *, local: Callable[[Any], Any], max_restarts: int = 3):
     """The driver of a :class:`raydcp.pipeline.CheckpointPipeline`: ``"ray"`` a named actor
-    (:class:`raydcp.runtime.pipeline_actor.RemoteDriver`), ``"local"`` a thread of this process,
-    ``"auto"`` the former when Ray is initialized."""
+    (:class:`raydcp.runtime.pipeline_actor.RemoteDriver`), ``"local"`` ``local(config)`` (the
+    pipeline hands its in-process driver class), ``"auto"`` the former when Ray is initialized."""
     if kind == "auto":
         ray = sys.modules.get("ray")
         kind = "ray" if ray is not None and ray.is_initialized() else "local"
@@ -214,9 +225,7 @@ def pipeline_driver(config, kind: str, *, max_restarts: int = 3):
         from .runtime.pipeline_actor import RemoteDriver
 
         return RemoteDriver.start(config, max_restarts=max_restarts)
-    from .pipeline.driver import PipelineDriver
-
-    return PipelineDriver(config)
+    return local(config)
 
 
 def current_node_id() -> str | None:

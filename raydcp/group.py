@@ -39,20 +39,3 @@ class Group:
             )
         if not self.timeout_s > 0:
             raise CheckpointError(f"Group {self.name!r}: timeout_s must be > 0, got {self.timeout_s!r}")
-
-    def prepare(self, *, async_save: bool = False) -> None:
-        """Start the cluster's coordinator host in the background, if none runs (returns at once; optional).
-
-        Every group's operations run in one coordinator host per Ray cluster; the
-        first operation in a fresh cluster otherwise pays for starting it (a Ray
-        actor, and the imports its reductions need); a rank that calls this at
-        start-up, e.g. before its first training step, moves that cost off the
-        first checkpoint. One rank is enough; every rank may call it.
-        ``async_save=True`` also starts this rank's persister actor, which the
-        first ``async_save`` would otherwise start (its first persist then
-        competes with training for as long as the actor takes to start).
-        Delegates to :func:`raydcp.api.prepare_group`, which picks the runtime.
-        """
-        from .api import prepare_group
-
-        prepare_group(self, async_save=async_save)

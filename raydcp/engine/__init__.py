@@ -9,13 +9,8 @@ and calls the functions here:
 - :func:`start_async_save`: an asynchronous save through an
   :class:`~raydcp.engine.background.AsyncPersister`;
 - the save protocol's steps and records: :mod:`raydcp.engine.protocol`.
-
-``raydcp.engine.save``/``load``/``async_save``/``transfer``/``read_metadata`` remain, for
-code written against them, as the public functions of :mod:`raydcp.api`.
 """
 from __future__ import annotations
-
-from typing import Any
 
 from .background import AsyncPersister, SaveFuture, start_async_save
 from .load import LoadStats, load_with, read_metadata, transfer_with
@@ -23,33 +18,4 @@ from .protocol import SaveHeader, StorageRecord
 from .save import save_with
 
 __all__ = ["save_with", "load_with", "transfer_with", "start_async_save", "read_metadata", "LoadStats",
-           "SaveFuture", "AsyncPersister", "SaveHeader", "StorageRecord", "save", "load", "async_save", "transfer"]
-
-
-# Compatibility: the public functions live in the API layer, which picks the transport.
-def save(state_dict: dict, checkpoint_id, **kwargs) -> Any:
-    """:func:`raydcp.api.save`."""
-    from .. import api
-
-    return api.save(state_dict, checkpoint_id, **kwargs)
-
-
-def load(state_dict: dict, checkpoint_id, **kwargs) -> Any:
-    """:func:`raydcp.api.load`."""
-    from .. import api
-
-    return api.load(state_dict, checkpoint_id, **kwargs)
-
-
-def async_save(state_dict: dict, checkpoint_id, **kwargs) -> Any:
-    """:func:`raydcp.api.async_save`."""
-    from .. import api
-
-    return api.async_save(state_dict, checkpoint_id, **kwargs)
-
-
-def transfer(source_state, dest_state, **kwargs) -> Any:
-    """:func:`raydcp.api.transfer`."""
-    from .. import api
-
-    return api.transfer(source_state, dest_state, **kwargs)
+           "SaveFuture", "AsyncPersister", "SaveHeader", "StorageRecord"]

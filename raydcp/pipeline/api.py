@@ -15,6 +15,7 @@ from ..options import LoadOptions, SaveOptions
 from ..storage import CheckpointStorage, list_committed
 from ..storage._common import check_name
 from .config import PipelineConfig
+from .driver import PipelineDriver
 from .policy import CopyInfo, RetryPolicy, load_order, make_tiers
 from .records import read_record, records_under, write_record
 from .status import StatusRecord
@@ -137,7 +138,8 @@ class CheckpointPipeline:
         """The pipeline driver (started on first use): a PipelineDriver, or a proxy of the actor."""
         with self._lock:
             if self._driver is None:
-                self._driver = api.pipeline_driver(self.config, self._driver_kind, max_restarts=self._max_restarts)
+                self._driver = api.pipeline_driver(self.config, self._driver_kind, local=PipelineDriver,
+                                                  max_restarts=self._max_restarts)
             return self._driver
 
     # ------------------------------------------------------------------ save

@@ -8,26 +8,16 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from typing import Any
 
 from ..errors import CheckpointError
+from ..runtime.train_group import new_nonce, train_context
 
 __all__ = ["train_context", "rank_and_world", "fsspec_location", "checkpoint_dir_name", "is_raydcp_dir_name",
            "new_nonce"]
 
 # Names of the checkpoint directories raydcp.train.save creates under the run directory.
 _DIR_RE = re.compile(r"^raydcp-(step\d{8}|t\d{14})-[0-9a-f]{8}$")
-
-
-def train_context():
-    """The Ray Train context of this worker, or None outside a Ray Train training function."""
-    try:
-        import ray.train
-
-        return ray.train.get_context()
-    except (RuntimeError, ImportError):
-        return None
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -66,10 +56,6 @@ def fsspec_location(filesystem: Any, path: str, storage_options: dict | None = N
         "shared path, s3://, gs://, or RunConfig(storage_filesystem=pyarrow.fs.PyFileSystem("
         "pyarrow.fs.FSSpecHandler(fsspec_filesystem)))"
     )
-
-
-def new_nonce() -> str:
-    return uuid.uuid4().hex[:8]
 
 
 def checkpoint_dir_name(step: int | None, nonce: str) -> str:

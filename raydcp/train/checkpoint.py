@@ -38,7 +38,8 @@ from ..errors import CheckpointError
 from ..group import Group
 from ..metadata import Metadata
 from ..storage import CheckpointStorage
-from ._context import checkpoint_dir_name, fsspec_location, is_raydcp_dir_name, new_nonce, train_context
+from ..runtime.train_group import group_named, new_nonce, proposed_group_name, train_context, worker_group
+from ._context import checkpoint_dir_name, fsspec_location, is_raydcp_dir_name
 from .state import TrainState
 
 __all__ = ["save", "restore", "worker_group", "METRICS_KEY", "run_checkpoint_dirs", "remove_uncommitted"]
@@ -78,61 +79,6 @@ def _step_of(state: dict, metrics: dict | None) -> int | None:
         return ts.step
     step = (metrics or {}).get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-
-
-# One Group per worker group (this process's rank in it), per timeout: (run, rank, world, timeout) -> Group
-_GROUPS: dict[tuple, Group] = {}
-
-
-def _group_key(ctx, timeout_s: float) -> tuple:
-    return (ctx.get_experiment_name(), ctx.get_world_rank(), ctx.get_world_size(), float(timeout_s))
-
-
-def _derived_group_name(ctx) -> str | None:
-    """The name every rank of this worker group derives alone, or None: the run's name and the
-    worker group's placement group, which Ray Train creates anew for every attempt."""
-    import ray
-
-    pg = ray.get_runtime_context().get_placement_group_id()
-    return f"raydcp-train:{ctx.get_experiment_name()}:{pg}" if pg else None
-
-
-def _proposed_group_name(ctx, timeout_s: float) -> str:
-    """Rank 0: the name of this worker group's Group (a new one on first use)."""
-    group = _GROUPS.get(_group_key(ctx, timeout_s))
-    if group is not None:
-        return group.name
-    return _derived_group_name(ctx) or f"raydcp-train:{ctx.get_experiment_name()}:{new_nonce()}"
-
-
-def _group(ctx, name: str, timeout_s: float) -> Group:
-    key = _group_key(ctx, timeout_s)
-    group = _GROUPS.get(key)
-    if group is None or group.name != name:
-        group = _GROUPS[key] = Group(name, ctx.get_world_rank(), ctx.get_world_size(), timeout_s=timeout_s)
-    return group
-
-
-def worker_group(timeout_s: float = 600.0) -> Group | None:
-    """This worker's raydcp Group in its Ray Train worker group, or None outside a training function.
-
-    What ``raydcp.save``/``load``/``async_save`` use without ``group=`` inside a Ray Train worker:
-    the same Group as :func:`save`/:func:`restore` (the same name on every rank, a new one on every
-    attempt of the run). Every rank calls it at the same point, as the operation it is for is a
-    collective; where no placement group names the worker group, rank 0 broadcasts a name.
-    """
-    ctx = train_context()
-    if ctx is None:
-        return None
-    group = _GROUPS.get(_group_key(ctx, timeout_s))
-    if group is not None:
-        return group
-    name = _derived_group_name(ctx)
-    if name is None:
-        from ray.train.collective import broadcast_from_rank_zero
-
-        name = broadcast_from_rank_zero(_proposed_group_name(ctx, timeout_s) if ctx.get_world_rank() == 0 else None)
-    return _group(ctx, name, timeout_s)
 
 
 def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
@@ -186,11 +132,11 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
         step = _step_of(state, metrics)
     proposal = None
     if rank == 0:
-        proposal = (checkpoint_dir_name(step, new_nonce()), _proposed_group_name(ctx, timeout_s))
+        proposal = (checkpoint_dir_name(step, new_nonce()), proposed_group_name(ctx, timeout_s))
     from ray.train.collective import broadcast_from_rank_zero
 
     name, group_name = broadcast_from_rank_zero(proposal)
-    group = _group(ctx, group_name, timeout_s)
+    group = group_named(ctx, group_name, timeout_s)
     fs_path = storage.build_checkpoint_path_from_name(name)
     url, options = fsspec_location(storage.storage_filesystem, fs_path, storage_options)
 
@@ -283,11 +229,11 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     checkpoint = ray.train.get_checkpoint()
     choice = None
     if rank == 0:
-        choice = (_proposed_group_name(ctx, timeout_s),
+        choice = (proposed_group_name(ctx, timeout_s),
                   _memory_source(ctx, checkpoint, memory_options) if memory else None)
     group_name, in_memory = broadcast_from_rank_zero(choice)  # also waits for the cleanup
-    group = _group(ctx, group_name, timeout_s)
-    group.prepare(async_save=async_save)  # the first save (or this load) then finds them running
+    group = group_named(ctx, group_name, timeout_s)
+    api.prepare_group(group, async_save=async_save)  # the first save (or this load) then finds them running
     if in_memory is not None:
         url, options = in_memory, memory_options
     elif checkpoint is None:

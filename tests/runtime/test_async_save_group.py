@@ -40,12 +40,12 @@ def test_prepare_starts_this_process_persister_once(ray_session):
     from raydcp.group import Group
     from raydcp.runtime import persister
 
-    Group("prepare-persister", 0, 1).prepare(async_save=True)
+    raydcp.prepare_group(Group("prepare-persister", 0, 1), async_save=True)
     first = persister.persister_for_this_process()
     assert ray_session.get(first.actor.ready.remote(), timeout=120) is True
     import os
     assert ray_session.get(first.actor.nice.remote()) >= os.nice(0) + 10  # yields the CPU to training
-    Group("prepare-persister", 0, 1).prepare(async_save=True)
+    raydcp.prepare_group(Group("prepare-persister", 0, 1), async_save=True)
     assert persister.persister_for_this_process() is first  # reused, not a second actor
 
 

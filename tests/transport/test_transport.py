@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from raydcp.api import resolve_group
+from raydcp.api import prepare_group, resolve_group
 from raydcp.errors import CheckpointError
 from raydcp.group import Group
 
@@ -293,8 +293,8 @@ def test_prepare_starts_the_host_that_the_first_operation_then_uses(ray_session)
 
     name = uname("prepare")
     groups = [Group(name, r, 2, timeout_s=30.0) for r in range(2)]
-    Group(uname("solo"), 0, 1).prepare()  # one rank: nothing to start, nothing raised
-    groups[0].prepare()
+    prepare_group(Group(uname("solo"), 0, 1))  # one rank: nothing to start, nothing raised
+    prepare_group(groups[0])
     host = the_host(ray_session)  # exists right after the call
     assert ray_session.get(host.ready.remote()) is True
     results = [None] * 2
