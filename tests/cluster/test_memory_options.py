@@ -48,9 +48,12 @@ def test_ring_places_each_copy_on_a_different_node():
 
 
 def test_checkpoint_dir_of_data_files():
-    assert checkpoint_dir("run/step-1/data/abc/r00000-f000.bin") == "run/step-1"
-    assert checkpoint_dir("run/step-1/data/abc/journal/0.json") == "run/step-1"
+    assert checkpoint_dir("run/step-1/data/g0-0123456789ab/r00000-f000.bin") == "run/step-1"
+    assert checkpoint_dir("run/step-1/data/g0-0123456789ab/journal/00000.json") == "run/step-1"
     assert checkpoint_dir("run/step-1/status.json") == "run/step-1"
+    # by the checkpoint's own layout: a data component of the checkpoint's name is not its data
+    assert checkpoint_dir("exp/data/step-1/data/g2-0123456789ab/r00001-f000.bin") == "exp/data/step-1"
+    assert checkpoint_dir("exp/data/step-1/_raydcp/gen-000000000001.meta") == "exp/data/step-1/_raydcp"
 
 
 def test_a_saves_share_of_each_node_counts_its_ranks_and_the_replicas_it_keeps():

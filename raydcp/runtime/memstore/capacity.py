@@ -148,7 +148,8 @@ def release_after_commit(fs, meta_path: str, save_id: str, started_ns: int) -> N
     committed = {p.rsplit("/", 1)[0] for p in entries if p.endswith("/" + METADATA_NAME)}
     doomed = []
     for key, (_, created) in held.items():
-        head, _, sid = key.rpartition("/data/")
+        head, _, sid = f"/{key}".rpartition("/data/")  # save_key's layout; "" for a save at the root
+        head = head[1:]
         if head == directory:
             gen = save_generation(sid)
             if sid == save_id or (gen is not None and base is not None and gen <= base):

@@ -14,6 +14,7 @@ from ...metadata_format import decode_metadata  # raydcp's own codec, no pickle
 from ...storage import METADATA_NAME
 from . import placement
 from .capacity import release_after_commit
+from .layout import checkpoint_dir
 
 __all__ = ["publish", "retain", "checkpoint_dir", "lost_reason"]
 
@@ -81,13 +82,6 @@ def retain(fs, meta_path: str, started_ns: int) -> None:
         fs._call_all("remove", metas)
     if rest:
         fs._call_all("remove", rest)
-
-
-def checkpoint_dir(path: str) -> str:
-    """The checkpoint directory of a data file (raydcp names them ``<dir>/data/<save>/...``)."""
-    if "/data/" in path:
-        return path.split("/data/", 1)[0]
-    return path.rsplit("/", 1)[0] if "/" in path else ""
 
 
 def lost_reason(fs, path: str) -> str | None:

@@ -42,6 +42,7 @@ from ...errors import CheckpointError
 from ...storage import METADATA_NAME
 from . import capacity, placement
 from .capacity import NODE_CAP_ENV, cap_error
+from .layout import is_data_file
 from .writer import MemWriter
 
 __all__ = ["RayMemFileSystem", "NODE_CAP_ENV"]
@@ -83,8 +84,9 @@ class RayMemFileSystem(AbstractFileSystem):
         self.timeout_s = float(timeout_s)
         # Zero-copy views of this node's copies of data files read so far: a load reads a file in
         # many ranges, and one holder lookup per file (not per range) is enough, as data files
-        # (``.../data/<save id>/...``) are never rewritten under the same name. Views pin their
-        # objects, so they go with this instance (one per CheckpointStorage) or close_reads().
+        # (``DIR/data/<save id>/...``, :mod:`.layout`) are never rewritten under the same name.
+        # Views pin their objects, so they go with this instance (one per CheckpointStorage) or
+        # close_reads().
         self._views: dict[str, np.ndarray] = {}
         self._sources: dict[str, tuple[list[str], int]] = {}  # data files held elsewhere: (nodes, size)
         self._views_lock = threading.Lock()
@@ -161,7 +163,7 @@ class RayMemFileSystem(AbstractFileSystem):
         token = uuid.uuid4().hex
         size = int(data.nbytes)
         # the cap is for data files: the commit log and status records (a few KB) are not refused
-        cap = self.node_cap_bytes if "/data/" in f"/{path}" else None
+        cap = self.node_cap_bytes if is_data_file(path) else None
         try:
             refused = self._gather(targets, [h.reserve.remote(token, size, cap, path) for h in holders],
                                    f"reserve memory for {url}")
@@ -214,13 +216,47 @@ class RayMemFileSystem(AbstractFileSystem):
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         path = self._strip_protocol(path)
-        if mode == "create" and self.exists(path):  # a check, then the write (as fsspec's default)
-            raise FileExistsError(self._url(path))
         data = bytes(value)
-        if path.rsplit("/", 1)[-1] == METADATA_NAME:
+        if mode == "create":
+            self._create(path, data)
+        elif path.rsplit("/", 1)[-1] == METADATA_NAME:
             self._commit(path, data)
         else:
             self._write(path, np.frombuffer(data, dtype=np.uint8), time.time_ns())
+
+    def _create(self, path: str, data: bytes) -> None:
+        """Exclusive creation (a commit log's generation file, :mod:`raydcp.storage.commits`): held
+        on every alive node, or FileExistsError and nothing of this call held anywhere.
+
+        Each holder's :meth:`~raydcp.runtime.memstore.holder.MemHolder.create` is a compare-and-set.
+        The holders are asked one at a time in ring order, so creators racing for one name meet at
+        the first node they all see and exactly one passes it; one refused further on (a stale copy,
+        a node that joined meanwhile) takes back only the copies marked with its own token. A copy
+        on every alive node makes a later creator meet it wherever it starts."""
+        self._connect(path)
+        url = self._url(path)
+        nodes = placement.alive_nodes()
+        token, created = uuid.uuid4().hex, time.time_ns()
+        made: list[str] = []
+        try:
+            for node in nodes:
+                h = placement.holder(node, self._kind)
+                ref = h.create.remote(path, data, created, tuple(nodes), token, self._create_at(path, node))
+                if not self._gather([node], [ref], f"create {url}")[0]:
+                    raise FileExistsError(url)
+                made.append(node)
+        except BaseException:
+            if made:
+                refs = [placement.holder(n, self._kind).uncreate.remote(path, token) for n in made]
+                try:
+                    ray.get(refs, timeout=self.timeout_s)
+                except Exception:
+                    pass  # a holder lost meanwhile took its copy with it
+            raise
+
+    def _create_at(self, path: str, node: str) -> str | None:
+        """Where a node's holder writes a created file (None: in its object store)."""
+        return None
 
     def _commit(self, path: str, data: bytes) -> None:
         from .commit import publish
@@ -327,7 +363,7 @@ class RayMemFileSystem(AbstractFileSystem):
                 arrays[path] = ray.get(ref, timeout=self.timeout_s)
             except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
                 continue  # read it from a replica
-            if "/data/" in path:
+            if is_data_file(path):
                 with self._views_lock:
                     self._views[path] = arrays[path]
         return arrays
@@ -347,7 +383,7 @@ class RayMemFileSystem(AbstractFileSystem):
                 if path not in known:
                     sources = [n for n in ring if path in held.get(n, {})]
                     known[path] = (sources, next((held[n][path] for n in sources), 0))
-                    if sources and "/data/" in path:  # data files are immutable: remember where they are
+                    if sources and is_data_file(path):  # data files are immutable: remember where they are
                         with self._views_lock:
                             self._sources[path] = known[path]
         for path, idxs in wanted.items():
@@ -357,7 +393,7 @@ class RayMemFileSystem(AbstractFileSystem):
                 bounds = [self._bounds(starts[i], ends[i], size) for i in idxs]
                 holder = placement.existing_holders([node], self._kind).get(node)
                 try:
-                    whole = self._pull(holder, path) if self._pulls and "/data/" in path and size <= _PULL_MAX \
+                    whole = self._pull(holder, path) if self._pulls and is_data_file(path) and size <= _PULL_MAX \
                         else None
                     if whole is not None:
                         got = [whole[s:e] for s, e in bounds]
@@ -427,7 +463,7 @@ class RayMemFileSystem(AbstractFileSystem):
             return self._info(path, entries[path])
         if not path or any(p.startswith(path + "/") for p in entries):
             return {"name": path, "size": 0, "type": "directory"}
-        lost = self._lost(path) if "/data/" in path else None
+        lost = self._lost(path) if is_data_file(path) else None
         if lost:  # not "missing": a committed checkpoint names it, and every node that held it is gone
             raise CheckpointError(lost)
         raise FileNotFoundError(self._url(path))

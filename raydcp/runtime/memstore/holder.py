@@ -19,6 +19,12 @@ in the writing process):
    pulls it over the network and puts its own copy (so each replica lives on its own node);
 3. :meth:`release` frees a reservation that was not used (a write that failed elsewhere).
 
+An exclusive creation (``pipe_file(mode="create")``: a commit log's generation file) is a
+compare-and-set instead: :meth:`create` holds the file only if this holder holds none of that
+name, in one step under the holder's lock, and marks it with the creator's token; the creator
+asks every alive node's holder in ring order and, refused by one, takes back with
+:meth:`uncreate` only the copies that carry its own token.
+
 Reads: :meth:`lookup` hands out the (borrowed) object of a file, for zero-copy reads on the node
 (and for a reader on another node to pull a data file whole into its own node's object store);
 :meth:`read_ranges` serves byte ranges to readers on other nodes (of other files, and of a
@@ -61,6 +67,7 @@ class FileEntry:
     nodes: tuple[str, ...]   # every node meant to hold a copy, the writer's first
     placement: dict | None = None  # metadata only: {file path: nodes} of the files it names
     local_path: str | None = None  # node-local disk tier: the bytes are in this file on the node (ref is None)
+    token: str | None = None       # an exclusive creation's own mark (:meth:`MemHolder.create`)
 
 
 class MemHolder:
@@ -181,6 +188,37 @@ class MemHolder:
         with self._lock:
             self._files[path] = FileEntry(None, len(data), created_ns, tuple(nodes), placement, local_path)
         return self.node_id
+
+    def create(self, path: str, data: bytes, created_ns: int, nodes: tuple, token: str,
+               local_path: str | None = None) -> bool:
+        """Hold ``data`` as ``path`` only if this holder holds no file of that name: True if it
+        now does, False if one was there (nothing changed). Check and write are one step under
+        the lock, so of creators racing for one name exactly one gets True here. A disk tier's
+        holder writes the file at ``local_path`` on its node (atomically)."""
+        self._discover(path)
+        with self._lock:
+            if path in self._files:
+                return False
+            if local_path is not None:
+                publish_atomically(local_path, memoryview(data))
+                os.utime(local_path, ns=(created_ns, created_ns))
+                own = None
+            else:
+                own = ray.put(np.frombuffer(data, dtype=np.uint8))
+            self._files[path] = FileEntry(own, len(data), created_ns, tuple(nodes), None, local_path, token)
+            return True
+
+    def uncreate(self, path: str, token: str) -> bool:
+        """Take back a copy made by :meth:`create` with ``token``; another creator's file stays."""
+        with self._lock:
+            entry = self._files.get(path)
+            if entry is None or entry.token != token:
+                return False
+            del self._files[path]
+        if entry.local_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(entry.local_path)
+        return True
 
     def placement_of(self, meta_path: str, path: str) -> tuple | None:
         """The nodes that held ``path`` when the metadata ``meta_path`` committed, if it names it."""

@@ -84,6 +84,9 @@ class RayNodeFileSystem(RayMemFileSystem):
         self._gather([node], record(), f"record {self._url(path)}", again=record)
         return [node]
 
+    def _create_at(self, path: str, node: str) -> str | None:
+        return self.local_path(path, node)
+
     def _publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
         def publish():
             return [placement.holder(n, self._kind).store_file.remote(path, self.local_path(path, n), data, created_ns,
