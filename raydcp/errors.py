@@ -78,11 +78,20 @@ class CheckpointError(Exception):
 
 
 class CheckpointNotFoundError(CheckpointError):
-    """No committed checkpoint at ``path``: a wrong path, or a save that has not committed (yet)."""
+    """No committed checkpoint at ``path``: a wrong path, or a save that has not committed (yet).
 
-    def __init__(self, message: str, *, path: str | None = None, failures=None):
+    ``reason`` says which, where it is known: ``"missing"`` (no such path), ``"file"`` (a file,
+    not a directory), ``"checkpoints-below"`` (a directory of checkpoints; ``below`` lists their
+    paths relative to ``path``), ``"uncommitted"`` (a save there has not committed),
+    ``"uncommitted-below"``, ``"other-format"`` (torch DCP, safetensors, torch.save) or ``"empty"``.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, reason: str | None = None,
+                 below: tuple[str, ...] = (), failures=None):
         super().__init__(message, failures)
         self.path = path
+        self.reason = reason
+        self.below = tuple(below)
 
 
 class CheckpointDamagedError(CheckpointError):

@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ..errors import CheckpointError, StorageError
 from . import _local
 from ._common import (
     METADATA_NAME,
@@ -473,11 +473,7 @@ class CheckpointStorage:
         except CheckpointError:
             if self.is_committed():
                 raise
-        from ..convert.detect import foreign_format_hint  # torch DCP, safetensors, torch.save: say so
+        from .discovery import not_found_error  # no such path, a file, checkpoints below, a save not committed
 
-        raise CheckpointNotFoundError(foreign_format_hint(self.fs, self.path, self.url) or (
-            f"no committed raydcp checkpoint at {self.url} (missing {METADATA_NAME}): the save has "
-            "not committed yet, failed before committing, or the path is wrong; check the path, or "
-            "list the committed checkpoints under its parent with `raydcp ls PARENT`"
-        ), path=self.url)
+        raise not_found_error(self.fs, self.path, self.url)
 
