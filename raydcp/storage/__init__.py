@@ -6,7 +6,7 @@ read back by exact byte ranges, and a checkpoint becomes visible only when its m
 """
 from ._common import METADATA_NAME
 from .fs import CheckpointStorage
-from .retention import CommittedCheckpoint, apply_retention, list_committed
+from .retention import CommittedCheckpoint, apply_retention, list_committed, remove_checkpoint
 
 __all__ = [
     "METADATA_NAME",
@@ -14,4 +14,5 @@ __all__ = [
     "CommittedCheckpoint",
     "apply_retention",
     "list_committed",
+    "remove_checkpoint",
 ]
