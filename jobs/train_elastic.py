@@ -18,7 +18,8 @@ local two-node-capable Ray cluster:
    is the same and split evenly).
 
 With ``--memory`` every checkpoint is kept in the cluster's memory (``raymem://``, a replica of
-each rank's files on the other node) and persisted to storage every ``--persist-every`` saves: the
+each rank's files on the other node) and persisted to storage at the steps that are multiples of
+``--persist-every`` and at the last step: the
 scale-up resumes from memory, then at ``--kill-at`` the added node is removed and Ray Train
 restarts the run on the 2 surviving workers, which resume from the memory replicas.
 
@@ -198,7 +199,8 @@ def train_loop(config: dict) -> None:
             raydcp.train.save({"train": state}, metrics, wait_registered=pausing,
                               async_save=config.get("async_save", False),
                               max_staging_bytes=config.get("max_staging_bytes"), memory=memory,
-                              persist_every=1 if state.step == steps else config.get("persist_every", 1))
+                              persist_every=config.get("persist_every", 1),
+                              persist=True if state.step == steps else None)  # the last one is kept
         elif raydcp.train.save_on_preemption({"train": state}, metrics, get_info=get_info):
             pass  # the run goes on until the node is actually taken away
 
@@ -318,10 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-save", action="store_true",
                     help="checkpoint asynchronously (raydcp.train.save(async_save=True))")
     ap.add_argument("--memory", action="store_true",
-                    help="checkpoint into the cluster's memory (raydcp.train.save(memory=True)), persist every "
-                         "--persist-every saves; after the scale-up, kill the added node at --kill-at and resume "
-                         "on the survivors from the memory replicas")
-    ap.add_argument("--persist-every", type=int, default=2)
+                    help="checkpoint into the cluster's memory (raydcp.train.save(memory=True)), persist the "
+                         "steps that are multiples of --persist-every and the last; after the scale-up, kill the "
+                         "added node at --kill-at and resume on the survivors from the memory replicas")
+    ap.add_argument("--persist-every", type=int, default=4)
     ap.add_argument("--kill-at", type=int, default=None, help="with --memory: step at which the added node is "
                     "removed (default: --steps - --ckpt-every)")
     args = ap.parse_args(argv)

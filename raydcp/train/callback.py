@@ -17,11 +17,17 @@ calls it on the controller process (not on the workers):
    so none can be picked up later; check that the latest registered checkpoint is
    committed; append a record.
 
+A report without a checkpoint from a ``raydcp.train.save(memory=True)`` that kept its
+checkpoint in the cluster's memory only is recorded too (``tier="memory"``,
+``persisted=False``, ``path`` its ``raymem://`` URL; not checked, as the next memory save
+replaces it).
+
 Records go to ``self.records`` (on the controller) and, one JSON object per line,
 to ``<run directory>/raydcp_checkpoints.jsonl`` (``RECORDS_NAME``) next to the
 checkpoints. Checkpoint records: ``event="checkpoint"``, ``checkpoint`` (directory
 name), ``path``, ``step``, ``world_size``, ``bytes`` (tensor bytes), ``files``,
-``mode`` (``"sync"`` or ``"async"``), ``seconds`` (the slowest rank's save, from
+``mode`` (``"sync"``, ``"async"`` or ``"memory"``), ``tier`` (``"storage"``, or ``"memory"``
+for one held in the cluster's memory only), ``persisted``, ``seconds`` (the slowest rank's save, from
 the call to the commit, from its ``metrics["raydcp"]``), ``stall_seconds`` (the
 slowest rank's time blocked in ``raydcp.train.save``: the whole save when
 synchronous, the staging when ``async_save=True``), ``persist_seconds`` (the
@@ -110,11 +116,13 @@ class RayDCPCallback(UserCallback):
 
     # -- UserCallback -----------------------------------------------------------
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        if checkpoint is None:
-            return
         ours = [m.get(METRICS_KEY) for m in metrics if isinstance(m.get(METRICS_KEY), dict)]
         if not ours:
             return  # not written by raydcp.train.save
+        if checkpoint is None:
+            if ours[0].get("tier") == "memory":
+                self._record_memory(run_context, ours)
+            return
         name = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
         self._reported.add(name)
         self._latest = name
@@ -134,6 +142,8 @@ class RayDCPCallback(UserCallback):
             "bytes": nbytes,
             "files": len(md.files) if md is not None else None,
             "mode": ours[0].get("mode", "sync"),
+            "tier": "storage",
+            "persisted": True,
             "seconds": seconds,
             "stall_seconds": stall,
             "persist_seconds": persist,
@@ -184,6 +194,34 @@ class RayDCPCallback(UserCallback):
         })
 
     # -- helpers ------------------------------------------------------------------
+    def _record_memory(self, run_context, ours: list[dict]) -> None:
+        """A checkpoint kept in the cluster's memory only (``save(memory=True)``, not persisted):
+        recorded from the ranks' numbers; Ray Train registers nothing, and the next memory save
+        replaces it, so it is not read back here."""
+        seconds = max(float(m.get("seconds", 0.0)) for m in ours)
+        nbytes = ours[0].get("bytes")
+        self._record(run_context, {
+            "event": "checkpoint",
+            "checkpoint": ours[0].get("checkpoint"),
+            "path": ours[0].get("path"),
+            "step": ours[0].get("step"),
+            "world_size": ours[0].get("world_size"),
+            "bytes": nbytes,
+            "files": None,
+            "mode": "memory",
+            "tier": "memory",
+            "persisted": False,
+            "seconds": seconds,
+            "stall_seconds": max(float(m.get("stall_seconds", m.get("seconds", 0.0))) for m in ours),
+            "persist_seconds": 0.0,
+            "throughput_mb_s": (nbytes / seconds / 1e6) if nbytes and seconds > 0 else None,
+            "committed": True,
+            "complete": None,
+            "problems": [],
+            "emergency": None,
+            "reported_at": time.time(),
+        })
+
     def _registered(self, storage):
         """(names Ray Train has registered, or None if unknown; the latest registered name or None)."""
         names = set(self._reported)

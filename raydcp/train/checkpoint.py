@@ -84,7 +84,7 @@ def _step_of(state: dict, metrics: dict | None) -> int | None:
 def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = None,
          storage_options: dict | None = None, timeout_s: float = 600.0, wait_registered: bool = False,
          async_save: bool = False, max_staging_bytes: int | None = None, memory: bool = False,
-         persist_every: int = 1, memory_options: dict | None = None,
+         persist_every: int = 1, persist: bool | None = None, memory_options: dict | None = None,
          _emergency: dict | None = None) -> Metadata | SaveFuture:
     """Save this rank's part of ``state_dict`` as one checkpoint of the run, and report it.
 
@@ -120,9 +120,14 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     (``raymem://``, see :mod:`raydcp.train.memory`; ``memory_options`` are its
     storage_options: replicas, node_cap_bytes), replacing the previous memory
     checkpoint once committed, and writes it to the run's storage (and reports it to
-    Ray Train) only every ``persist_every``-th save; the other saves report the
-    metrics alone. :func:`restore` loads from memory when the newest checkpoint is
-    there. Returns the metadata of the memory checkpoint when it is not persisted.
+    Ray Train) only at the steps that are multiples of ``persist_every`` (the run's
+    step, as above: a restart carries on counting where the run stopped), or when
+    ``persist=True`` (pass it for the run's last checkpoint, which otherwise lives
+    in memory only; ``persist=False`` keeps this one in memory whatever the step).
+    The other saves report the metrics alone, with ``metrics["raydcp"]["tier"] ==
+    "memory"`` (``"storage"`` for persisted ones). :func:`restore` loads from memory
+    when the newest checkpoint is there. Returns the metadata of the memory
+    checkpoint when it is not persisted.
     """
     ctx = _context("save")
     state = _as_state_dict(state_dict)
@@ -130,6 +135,13 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     storage = ctx.get_storage()
     if step is None:
         step = _step_of(state, metrics)
+    if memory:
+        from .memory import should_persist
+
+        persist_now = should_persist(step, persist_every, persist)  # checked before anything is written
+    elif persist is False:
+        raise CheckpointError("raydcp.train.save(persist=False) keeps a checkpoint in memory only: "
+                              "it needs memory=True")
     proposal = None
     if rank == 0:
         proposal = (checkpoint_dir_name(step, new_nonce()), proposed_group_name(ctx, timeout_s))
@@ -142,14 +154,16 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
 
     t0 = time.perf_counter()
     if memory:
-        from .memory import memory_root, should_persist
+        from .memory import memory_root
 
-        mem_md = api.save(state, f"{memory_root(ctx)}/{name}", group=group, storage_options=memory_options)
+        mem_url = f"{memory_root(ctx)}/{name}"
+        mem_md = api.save(state, mem_url, group=group, storage_options=memory_options)
         mem_s = time.perf_counter() - t0
-        if not should_persist(group_name, persist_every):
+        if not persist_now:
             reported = dict(metrics or {})
             reported[METRICS_KEY] = {"step": step, "world_size": world, "checkpoint": name, "mode": "memory",
-                                     "stall_seconds": mem_s, "memory_seconds": mem_s, "persisted": False,
+                                     "tier": "memory", "path": mem_url, "stall_seconds": mem_s,
+                                     "memory_seconds": mem_s, "persisted": False,
                                      **_save_numbers(mem_md, mem_s, persist=0.0)}
             ray.train.report(reported)
             return mem_md
@@ -163,11 +177,12 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
 
     reported = dict(metrics or {})
     ours = reported[METRICS_KEY] = {"step": step, "world_size": world, "checkpoint": name,
-                                    "mode": "async" if async_save else "sync", "stall_seconds": stall}
+                                    "mode": "async" if async_save else "sync", "tier": "storage",
+                                    "stall_seconds": stall}
     if _emergency is not None:
         ours["emergency"] = dict(_emergency)
     if memory:
-        ours.update(memory_seconds=mem_s, persisted=True)
+        ours.update(memory_seconds=mem_s, memory_path=mem_url, persisted=True)
     from ray.train import Checkpoint, CheckpointUploadMode
 
     checkpoint = Checkpoint(path=fs_path, filesystem=storage.storage_filesystem)

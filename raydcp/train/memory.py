@@ -2,8 +2,10 @@
 
 ``raydcp.train.save(..., memory=True, persist_every=k)`` saves every checkpoint into the memory
 of the run's nodes (each rank's files on its node and on a replica node) and also to the run's
-storage every ``k``-th save; ``raydcp.train.restore`` loads from memory when the newest
-checkpoint of the run is there (a restart after a failure, an elastic resize), else from storage.
+storage at every step that is a multiple of ``k`` (the step of the run, which a restart carries
+on from, not a count of saves), and whenever the caller asks with ``persist=True`` (the run's
+last checkpoint); ``raydcp.train.restore`` loads from memory when the newest checkpoint of the
+run is there (a restart after a failure, an elastic resize), else from storage.
 
 A run's memory checkpoints live under ``raymem://raydcp-train-<run>-<hash of its storage path>/``,
 one directory per save named like the storage ones (``raydcp-step00000042-<nonce>``);
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
 from typing import Any
 
 from ..errors import CheckpointError
@@ -23,8 +24,6 @@ from ._context import is_raydcp_dir_name
 __all__ = ["memory_root", "latest_in_memory", "step_of_dir", "should_persist"]
 
 _STEP_RE = re.compile(r"^raydcp-step(\d{8})-")
-_counts: dict[str, int] = {}
-_lock = threading.Lock()
 
 
 def memory_root(ctx) -> str:
@@ -64,12 +63,25 @@ def latest_in_memory(root: str, storage_options: dict | None = None) -> tuple[st
     return f"{root}/{best[1]}", step_of_dir(best[1])
 
 
-def should_persist(group_name: str, persist_every: Any) -> bool:
-    """Whether this memory save of the worker group is also written to the run's storage: every
-    ``persist_every``-th (counted per worker group: every rank counts alike)."""
+def should_persist(step: int | None, persist_every: Any, persist: bool | None = None) -> bool:
+    """Whether the memory save of ``step`` is also written to the run's storage.
+
+    ``persist`` decides when given (True: the run's last checkpoint, or any the caller wants
+    kept); otherwise the steps that are multiples of ``persist_every`` are persisted. The step is
+    the run's (a restart resumes its count), so every attempt and every world size persists the
+    same steps; without a step only ``persist_every=1`` (every save) can be honoured.
+    """
     if isinstance(persist_every, bool) or not isinstance(persist_every, int) or persist_every < 1:
         raise CheckpointError(f"persist_every must be an integer >= 1, got {persist_every!r}")
-    with _lock:
-        n = _counts.get(group_name, 0)
-        _counts[group_name] = n + 1
-    return (n + 1) % persist_every == 0
+    if persist is not None:
+        if not isinstance(persist, bool):
+            raise CheckpointError(f"persist must be True, False or None, got {persist!r}")
+        return persist
+    if persist_every == 1:
+        return True
+    if step is None:
+        raise CheckpointError(
+            f"raydcp.train.save(memory=True, persist_every={persist_every}) persists the steps that are multiples "
+            f"of {persist_every}, but this save has no step: pass step=, save a raydcp.train.TrainState, or "
+            "report metrics['step'] (or pass persist=True/False to decide for this save)")
+    return step % persist_every == 0

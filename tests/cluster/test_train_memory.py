@@ -1,7 +1,8 @@
 """Ray Train with checkpoints in the cluster's memory: jobs/train_elastic.py --memory, end to end.
 
 The job (its own two-node ``ray.cluster_utils.Cluster``, in a subprocess) trains on 2 workers,
-checkpoints into ``raymem://`` and persists every 2nd save; a node is added and the run resumes
+checkpoints into ``raymem://`` every 2 steps and persists steps 4 and 8 (multiples of its
+``--persist-every 4``, and the last); a node is added and the run resumes
 on 4 workers from memory; at step 6 (a checkpoint held only in memory) the added node is removed
 and the run resumes on the 2 survivors from the memory replicas; it matches an uninterrupted run.
 """
