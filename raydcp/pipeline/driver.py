@@ -27,9 +27,9 @@ from typing import Any
 
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, StateMismatchError
 from ..metadata_format import decode_metadata
-from ..storage import METADATA_NAME, CheckpointStorage, list_committed
-from .config import PipelineConfig, Runner, ThreadRunner
-from .policy import Candidate
+from ..storage import METADATA_NAME, CheckpointStorage, list_committed, remove_checkpoint
+from .config import EXPORT_DIR, PipelineConfig, Runner, ThreadRunner
+from .policy import Candidate, pipeline_file, under_retention
 from .records import read_freshest, read_record, records_under, write_record
 from .replicate import commit_copy, replicate_files
 from .status import StageEntry, StatusRecord
@@ -427,10 +427,11 @@ class PipelineDriver:
             return "no policy"
         last = len(self.config.tiers) - 1
         candidates, records = [], {}
-        for c in list_committed(tier.url, tier.options()):
+        for c in list_committed(tier.url, tier.options(), links=False):
             record = self._record_of(c.name, k)
-            if record is None:
-                continue  # not a pipeline checkpoint: never ours to prune
+            if record is None or not under_retention([e.key for e in record.stages], [t.url for t in record.tiers],
+                                                     k, tier.copy_url(c.name)):
+                continue  # not saved under a retention policy of this tier: never ours to prune
             records[c.name] = record
             protected = c.name != current.name and not record.finished
             if k < last:
@@ -441,7 +442,7 @@ class PipelineDriver:
             record = records[name]
             record.tiers[k].copy = "pruned"
             self._persist(record, exclude=k)  # the other copies learn it first
-            CheckpointStorage(tier.copy_url(name), tier.options()).delete()
+            remove_checkpoint(tier.copy_url(name), tier.options(), also=lambda n: pipeline_file(n, EXPORT_DIR))
         return f"pruned {', '.join(doomed)}" if doomed else "nothing to prune"
 
     def _record_of(self, name: str, k: int) -> StatusRecord | None:

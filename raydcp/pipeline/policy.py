@@ -5,13 +5,20 @@ Nothing here touches storage or Ray; each decision is a function of plain values
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from ..errors import CheckpointError
+from .status import STATUS_NAME
 
-__all__ = ["Tier", "Retention", "RetryPolicy", "Candidate", "CopyInfo", "load_order", "make_tiers"]
+__all__ = ["Tier", "Retention", "RetryPolicy", "Candidate", "CopyInfo", "load_order", "make_tiers",
+           "pipeline_file", "under_retention"]
+
+# the files of a safetensors export (raydcp.convert.files: shard_name and INDEX_NAME)
+_EXPORT_FILE = re.compile(r"^safetensors/(?:model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
+_STATUS_FILE = re.compile(rf"^{re.escape(STATUS_NAME)}(?:\.tmp-[0-9a-f]{{16}})?$")
 
 T = TypeVar("T")
 
@@ -19,6 +26,11 @@ T = TypeVar("T")
 @dataclass(frozen=True, kw_only=True)
 class Retention:
     """Which committed checkpoints a tier keeps; the others are pruned from that tier.
+
+    Scope: the checkpoints directly under the tier's URL that a pipeline saved with a retention
+    policy on that tier (:func:`under_retention`); one saved there without the pipeline, or by a
+    pipeline without a policy there, is never pruned. A pruned copy loses
+    raydcp's and the pipeline's own files only (:func:`pipeline_file`); other files stay.
 
     ``keep_last=3``: the 3 newest. ``keep_every=10``: those whose sequence number (the pipeline
     counts its saves 1, 2, 3, ...) is a multiple of 10. Both: the union. The newest checkpoint is
@@ -55,6 +67,27 @@ class Retention:
         return [c.name for c in ordered
                 if c.name not in newest and not c.protected
                 and not (self.keep_every and c.seq % self.keep_every == 0)]
+
+
+def pipeline_file(name: str, export_dir: str) -> bool:
+    """True if ``name`` (relative to a tier's copy of a checkpoint) is a file the pipeline writes
+    beside raydcp's own: the status record (and the temporary file of its atomic publish), the
+    shards and index of a safetensors export under ``export_dir``. Retention removes these with
+    raydcp's own files (:func:`raydcp.storage.remove_checkpoint`), and nothing else."""
+    if _STATUS_FILE.match(name):
+        return True
+    head, sep, rest = name.partition("/")
+    return bool(sep) and head == export_dir and bool(_EXPORT_FILE.match(rest))
+
+
+def under_retention(stages: Sequence[str], copies: Sequence[str], tier: int, copy_url: str) -> bool:
+    """Whether a checkpoint's copy at ``copy_url`` on tier ``tier`` was saved under a retention
+    policy of that tier, from its status record: its stage keys (``retention@<tier>``) and the
+    URLs of its copies, tier by tier. Only such copies are in the tier's retention scope: one saved
+    by a pipeline without a policy there (another run sharing the directory), or with this
+    directory as another of its tiers, is never pruned."""
+    return (0 <= tier < len(copies) and copies[tier].rstrip("/") == copy_url.rstrip("/")
+            and f"retention@{tier}" in set(stages))
 
 
 @dataclass(frozen=True)

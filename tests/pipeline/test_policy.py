@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from raydcp.errors import CheckpointError
-from raydcp.pipeline.policy import (Candidate, CopyInfo, Retention, RetryPolicy, Tier, load_order, make_tiers)
+from raydcp.pipeline.policy import (Candidate, CopyInfo, Retention, RetryPolicy, Tier, load_order, make_tiers,
+                                    pipeline_file, under_retention)
 from raydcp.errors import CheckpointDamagedError
 from raydcp.pipeline.replicate import Piece, plan_segments
 
@@ -26,6 +27,24 @@ def test_union_and_protection():
     pruned = Retention(keep_last=2, keep_every=4).select(cands(9, protected={3}))
     assert pruned == ["c1", "c2", "c5", "c6", "c7"]
     assert Retention().select(cands(5)) == []  # no policy: keep everything
+
+
+def test_retention_scope_is_the_copies_saved_under_a_policy_of_the_tier():
+    stages, copies = ["staged@0", "committed@0", "retention@0"], ["/t0/c", "s3://b/run/c"]
+    assert under_retention(stages, copies, 0, "/t0/c")
+    assert not under_retention(stages, copies, 1, "s3://b/run/c")        # no policy on that tier
+    assert not under_retention(["staged@0", "committed@0"], copies, 0, "/t0/c")  # saved without one
+    assert not under_retention(stages, copies, 0, "/other/c")             # saved to another directory
+    assert not under_retention(stages, copies, 3, "/t0/c")
+
+
+def test_pipeline_files_are_its_status_record_and_export_only():
+    own = ["raydcp.status.json", "raydcp.status.json.tmp-0123456789abcdef", "export/safetensors/model.safetensors.index.json",
+           "export/safetensors/model-00001-of-00002.safetensors"]
+    foreign = ["README.md", "export/safetensors/notes.txt", "export/model-00001-of-00002.safetensors",
+               "raydcp.status.json.bak", "other/safetensors/model.safetensors.index.json"]
+    assert all(pipeline_file(n, "export") for n in own)
+    assert not any(pipeline_file(n, "export") for n in foreign)
 
 
 @pytest.mark.parametrize("kw", [{"keep_last": 0}, {"keep_every": -1}, {"keep_last": True}, {"keep_last": 1.5}])
