@@ -2,31 +2,32 @@
 
 ``from_safetensors``: a Hugging Face model folder (``model.safetensors.index.json`` naming the
 shards, or every ``*.safetensors`` file of the folder when there is no index) or one
-``.safetensors`` file. Each file's header is checked (dtypes, shapes and byte ranges inside the
-file) before any tensor is built; the plain values an export by :func:`raydcp.convert.to_safetensors`
-stored under ``raydcp_values`` come back as plain values.
+``.safetensors`` file. Each file's header is checked as strictly as the safetensors library checks
+it (:mod:`raydcp.convert._st_header`) before any tensor is built; the plain values an export by
+:func:`raydcp.convert.to_safetensors` stored under ``raydcp_values`` come back as plain values.
 
 ``from_torch_save``: one ``torch.save`` file, read with ``torch.load(weights_only=True)`` (nothing
 but tensors and plain containers is unpickled); it must hold a dict.
 
-Both save with ``raydcp.save``, which takes the whole state at once: memory is about the
+Both save in this process (one participant), taking the whole state at once: memory is about the
 checkpoint's size. Both take a :class:`~raydcp.convert.keys.KeySelection`.
 """
 from __future__ import annotations
 
 import io
 import json
-import math
-import struct
+import os
 from typing import Any
 
 import torch
 
 from ..codec import decode_value, dtype_from_name
-from ..engine import save
-from ..errors import CheckpointError
+from ..engine import save_with
+from ..errors import CheckpointDamagedError, CheckpointError
 from ..options import SaveOptions
+from ..transport import LocalTransport
 from ._io import ConvertResult, Destination, Progress
+from ._st_header import parse_header, strict_json
 from .files import INDEX_NAME, VALUES_KEY
 from .keys import KeySelection
 
@@ -37,7 +38,6 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
               "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the header's length
 
 
 def _shards(src: Destination) -> list[str]:
@@ -66,11 +66,14 @@ def _shards(src: Destination) -> list[str]:
 
 def _json(data: bytes, where: str) -> dict:
     try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+        value = strict_json(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointDamagedError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})", file=where) \
+            from None
+    except ValueError as exc:
+        raise CheckpointDamagedError(f"{where}: not valid JSON ({exc})", file=where) from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{where}: not a JSON object")
+        raise CheckpointDamagedError(f"{where}: not a JSON object", file=where)
     return value
 
 
@@ -79,32 +82,19 @@ def _read_shard(src: Destination, path: str) -> tuple[dict[str, torch.Tensor], d
     where = src.display(path)
     with src.guard("read"):
         data = src.fs.cat_file(path)
-    if len(data) < 8:
-        raise CheckpointError(f"{where}: not a safetensors file (shorter than its 8-byte header length)")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > min(_MAX_HEADER, len(data) - 8):
-        raise CheckpointError(f"{where}: not a safetensors file (header length {n} past the file's {len(data)} bytes)")
-    header = _json(data[8:8 + n], where)
-    meta = header.pop("__metadata__", None) or {}
-    body = memoryview(data)[8 + n:]
+    entries, meta, data_start = parse_header(data, where)
+    unsupported = [e for e in entries if e.dtype not in _ST_DTYPES]
+    if unsupported:
+        e = unsupported[0]
+        raise CheckpointError(f"{where}: tensor {e.name!r} has dtype {e.dtype}, which raydcp cannot store "
+                              f"(it stores {', '.join(_ST_DTYPES)}); convert that tensor first or leave the file out")
+    body = memoryview(data)[data_start:]
     out: dict[str, torch.Tensor] = {}
-    for key, entry in header.items():
-        try:
-            dtype = _ST_DTYPES[entry["dtype"]]
-            shape = [int(d) for d in entry["shape"]]
-            start, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{where}: {key}: a header entry without a known dtype, shape or data_offsets") \
-                from None
-        if any(d < 0 for d in shape):
-            raise CheckpointError(f"{where}: {key}: negative dimension in shape {shape}")
-        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
-        if not (0 <= start <= end <= len(body)) or end - start != nbytes:
-            raise CheckpointError(f"{where}: {key}: {entry['dtype']}{shape} needs {nbytes} bytes, the header says "
-                                  f"bytes {start}..{end} of a {len(body)}-byte body; the file is damaged")
-        out[key] = torch.frombuffer(bytearray(body[start:end]), dtype=torch.uint8).view(dtype).reshape(shape) \
-            if nbytes else torch.empty(shape, dtype=dtype)
-    return out, meta if isinstance(meta, dict) else {}
+    for e in entries:
+        dtype = _ST_DTYPES[e.dtype]
+        out[e.name] = torch.frombuffer(bytearray(body[e.begin:e.end]), dtype=torch.uint8).view(dtype) \
+            .reshape(e.shape) if e.end > e.begin else torch.empty(e.shape, dtype=dtype)
+    return out, meta
 
 
 def _apply(flat: dict[str, Any], select: KeySelection) -> tuple[dict[str, Any], int]:
@@ -191,6 +181,6 @@ def _flatten(obj: dict, prefix: str = "") -> dict[str, Any]:
 
 def _save(src_url: str, dst, state: dict[str, Any], storage_options: dict | None, dropped: int,
           options: SaveOptions | None = None) -> ConvertResult:
-    written = save(state, dst, storage_options=storage_options, options=options)
+    written = save_with(LocalTransport(), state, os.fspath(dst), storage_options=storage_options, options=options)
     return ConvertResult(src_url, str(dst), "raydcp", len(written.tensors), len(written.values), written.total_bytes,
                          sorted(written.files), dropped=dropped)

@@ -112,7 +112,7 @@ class KeySelection:
             if self.dropped(key):
                 continue
             new = self.rename(key)
-            if not new:
+            if not new and key:  # an empty name the source already had is kept as it is
                 raise CheckpointError(f"--strip-prefix would leave {key!r} without a name")
             if new in seen:
                 raise CheckpointError(f"--strip-prefix maps both {seen[new]!r} and {key!r} to {new!r}; drop one of "
