@@ -1,9 +1,12 @@
 """The ``raydcp`` command line: ``main(argv)`` and its subcommands.
 
-Subcommands register themselves in :mod:`raydcp.cli._registry`; the modules listed in
-``BUILTIN_MODULES`` are imported to build the parser. To add one (``reshard``, ``status``), write
-``raydcp/cli/<name>_cmd.py`` registering a :class:`Command` and add the module to the list.
+Subcommands register themselves in :mod:`raydcp.cli._registry`; the modules listed in its
+``BUILTIN_MODULES`` are imported to build the parser. To add one, write
+``raydcp/cli/<name>_cmd.py`` registering a :class:`Command` and add the module to that list.
 Exit statuses and output conventions: :mod:`raydcp.cli._common`.
+
+What raydcp's loggers (``raydcp.*``) say goes to stderr for the length of a command: warnings
+and errors by default, errors only with ``-q``, INFO with ``-v``, DEBUG with ``-vv``.
 """
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ import sys
 from typing import Sequence
 
 from ..errors import CheckpointError
-from ._common import EXIT_ERROR, EXIT_INTERNAL, one_line, safe
-from ._registry import Command, register, registered
+from ._common import EXIT_ERROR, EXIT_INTERNAL, add_verbosity, logging_to_stderr, one_line, safe
+from ._registry import BUILTIN_MODULES, Command, register, registered
 
 __all__ = ["main", "build_parser", "Command", "register", "BUILTIN_MODULES"]
 
-BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd", "status", "reshard_cmd", "ls_cmd")
+BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd", "status", "reshard_cmd", "ls_cmd",
+                   "mem_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,10 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"raydcp {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
+    add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in registered().items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.description or cmd.help)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        add_verbosity(p, default=argparse.SUPPRESS)
         cmd.configure(p)
         p.set_defaults(_command=cmd)
     return parser
@@ -60,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_ERROR
     command: Command = args._command
     try:
-        return command.run(args)
+        with logging_to_stderr(args.quiet, args.verbose):
+            return command.run(args)
     except CheckpointError as exc:
         return _fail(EXIT_ERROR, str(exc))
     except KeyboardInterrupt:

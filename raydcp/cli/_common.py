@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import re
 import sys
 from typing import Any, Iterator
@@ -20,7 +21,7 @@ from ..errors import CheckpointError
 
 __all__ = ["EXIT_OK", "EXIT_FOUND", "EXIT_ERROR", "EXIT_INTERNAL", "one_line", "stdout", "stderr",
            "print_json", "human_bytes", "add_storage_options", "storage_options", "progress_bar", "safe",
-           "Progress"]
+           "Progress", "read_metadata", "add_verbosity", "logging_to_stderr"]
 
 EXIT_OK, EXIT_FOUND, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -94,6 +95,54 @@ def storage_options(args: argparse.Namespace) -> dict | None:
     if not isinstance(opts, dict):
         raise CheckpointError("--storage-options must be a JSON object")
     return opts
+
+
+def read_metadata(path: str, opts: dict | None):
+    """``(url, metadata)`` of the checkpoint at ``path``: its metadata alone, decoded without torch."""
+    from ..metadata_format import decode_metadata
+    from ..storage import METADATA_NAME, CheckpointStorage
+
+    storage = CheckpointStorage(path, opts)
+    return storage.url, decode_metadata(storage.read_metadata_bytes(), storage.file_url(METADATA_NAME))
+
+
+def add_verbosity(parser: argparse.ArgumentParser, default=None) -> None:
+    """``-q/--quiet`` and ``-v/--verbose`` (repeatable). The top-level parser sets the defaults; a
+    subcommand's parser takes them too (``default=argparse.SUPPRESS`` there keeps a flag given
+    before the subcommand)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true", default=default if default is not None else False,
+                       help="print results and errors only: no warnings, progress or per-step messages")
+    group.add_argument("-v", "--verbose", action="count", default=default if default is not None else 0,
+                       help="also print what raydcp's loggers say at INFO (-vv: DEBUG)")
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = safe(one_line(record.getMessage()), markup=False)
+        if record.levelno < logging.WARNING:  # -v: which part of raydcp speaks
+            return f"raydcp: {record.levelname.lower()}: [{record.name}] {text}"
+        return f"raydcp: {record.levelname.lower()}: {text}"
+
+
+@contextlib.contextmanager
+def logging_to_stderr(quiet: bool = False, verbose: int = 0) -> Iterator[None]:
+    """For one command: what the ``raydcp`` loggers say at WARNING and above (ERROR with
+    ``quiet``, INFO with ``verbose``, DEBUG with ``verbose >= 2``) goes to stderr, one line each.
+    The logger's level and handlers are restored afterwards."""
+    level = logging.ERROR if quiet else logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING
+    logger = logging.getLogger("raydcp")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    handler.setLevel(level)
+    saved = logger.level
+    logger.setLevel(level)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
 
 
 class Progress:

@@ -4,11 +4,12 @@ A subcommand is a module of this package that registers one :class:`Command` whe
 
     COMMAND = register(Command("status", "show a checkpoint's pipeline stages", configure, run))
 
-and whose name is listed in ``BUILTIN_MODULES`` (``raydcp/cli/__init__.py``). ``configure`` adds
+and whose name is listed in ``BUILTIN_MODULES`` below (one line per subcommand). ``configure`` adds
 the subcommand's arguments to its argparse parser; ``run`` gets the parsed arguments and returns
 the exit status (see ``raydcp.cli._common`` for the conventions). Modules are imported on every
 invocation to build the parser, so they import heavy or optional dependencies (Ray, torch DCP)
-inside ``run``, never at module level.
+inside ``run``, never at module level. Every subcommand also takes ``-q/--quiet``,
+``-v/--verbose`` and ``--debug`` (added by :func:`raydcp.cli.build_parser`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,18 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Command", "register", "registered"]
+__all__ = ["Command", "register", "registered", "BUILTIN_MODULES"]
+
+# The modules of raydcp.cli that register the built-in subcommands, imported in this order.
+BUILTIN_MODULES: tuple[str, ...] = (
+    "inspect_cmd",
+    "verify_cmd",
+    "convert_cmd",
+    "diff_cmd",
+    "status",
+    "reshard_cmd",
+    "ls_cmd",
+)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import argparse
 import datetime as _dt
 from typing import Any
 
-from ._common import EXIT_OK, add_storage_options, human_bytes, print_json, safe, stdout, storage_options
+from ._common import EXIT_OK, add_storage_options, human_bytes, print_json, read_metadata, safe, stdout, storage_options
 from ._registry import Command, register
 
 __all__ = ["COMMAND", "describe"]
@@ -58,12 +58,7 @@ def _value_text(v: Any, limit: int = 80) -> str:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from ..engine import read_metadata
-    from ..storage import CheckpointStorage
-
-    opts = storage_options(args)
-    url = CheckpointStorage(args.path, opts).url
-    md = read_metadata(args.path, storage_options=opts)
+    url, md = read_metadata(args.path, storage_options(args))
     if args.json:
         print_json(describe(url, md))
         return EXIT_OK

@@ -14,7 +14,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     add_reshard_arguments(parser)
     parser.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no per-round messages on stderr")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

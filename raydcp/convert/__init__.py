@@ -26,8 +26,8 @@ __all__ = ["ConvertResult", "TensorSource", "parse_size", "to_torch_dcp", "from_
 
 FORMATS = ("torch-dcp", "safetensors", "torch-save")
 
-# loaded on first use: raydcp.convert.keys and raydcp.convert.detect need no torch
-_LAZY = {"ConvertResult": "._io", "TensorSource": "._io", "parse_size": "._io", "to_safetensors": ".files",
+# loaded on first use: raydcp.convert.keys, .detect and .sizes need no torch
+_LAZY = {"ConvertResult": "._io", "TensorSource": "._io", "parse_size": ".sizes", "to_safetensors": ".files",
          "to_torch_save": ".files", "from_safetensors": ".from_files",
          "from_torch_save": ".from_files", "to_torch_dcp": ".torch_dcp",
          "from_torch_dcp": ".torch_dcp", "KeySelection": ".keys"}

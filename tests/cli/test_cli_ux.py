@@ -64,7 +64,7 @@ def root(tmp_path):
 
     r = tmp_path / "run"
     raydcp.save({"model": {"w": torch.ones(256)}, "step": 10}, r / "ckpt-a")          # step from the value
-    raydcp.save({"model": {"w": torch.ones(512), "b": torch.ones(2)}}, r / "step-20")  # step from the name
+    raydcp.save({"model": {"w": torch.ones(512), "b": torch.ones(2)}}, r / "step-20")  # no step saved: none
     raydcp.save({"w": torch.ones(4)}, r / "p")                                        # step from the record
     stages = plan_stages(1, verify=False, export_tier=None, hooks=[], retention_tiers=[])
     for e in stages:
@@ -81,7 +81,7 @@ def test_ls_lists_committed_checkpoints(root, capsys):
     assert code == 0 and err == ""
     rows = {r["name"]: r for r in json.loads(out)["checkpoints"]}
     assert sorted(rows) == ["ckpt-a", "p", "step-20"]  # the uncommitted directory is not listed
-    assert [rows[n]["step"] for n in ("ckpt-a", "step-20", "p")] == [10, 20, 30]
+    assert [rows[n]["step"] for n in ("ckpt-a", "step-20", "p")] == [10, None, 30]  # never digits of a name
     assert rows["step-20"]["tensors"] == 2 and rows["step-20"]["bytes"] == (512 + 2) * 4
     assert rows["p"]["pipeline_state"] == "complete" and rows["ckpt-a"]["pipeline_state"] is None
     # the counts are the ones inspect gives
