@@ -49,6 +49,9 @@ def test_protocols_and_chains():
     assert isinstance(fs, LocalFileSystem) and path == "/ckpts/run::v2"
     fs, path = location_to_fs("memory://lit/run::v2#a?b")
     assert fs.protocol in ("memory", ("memory",)) and path == "/lit/run::v2#a?b"
+    # raydcp's own filesystems (raynode:// is what a node-local tier at a plain path becomes)
+    assert location_to_fs("raynode:///ckpts/tier::a#1")[1] == "/ckpts/tier::a#1"
+    assert location_to_fs("raymem://job::a/run::v2")[1] == "job::a/run::v2"
     # a chain still chains
     fs, path = location_to_fs("simplecache::memory://lit/x")
     assert "simplecache" in fs.protocol and path == "/lit/x"
@@ -88,9 +91,7 @@ def test_save_load_beside_the_prefix_directory(tmp_path):
 def test_listing_and_retention_stay_in_their_root(tmp_path):
     for root in ("ckpts", "ckpts::a"):
         for i in range(3):
-            storage = CheckpointStorage(f"{tmp_path}/{root}/step-{i}")
-            storage.write_file("data/f.bin", b"x")
-            storage.commit(b"m")
+            raydcp.save({"w": torch.full((2,), float(i))}, f"{tmp_path}/{root}/step-{i}")
             os.utime(os.path.join(tmp_path, root, f"step-{i}", METADATA_NAME), (1000 + i, 1000 + i))
     root = f"{tmp_path}/ckpts::a"
     assert [c.url for c in list_committed(root)] == [f"{root}/step-{i}" for i in range(3)]
