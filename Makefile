@@ -4,11 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.raydcp-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint typecheck api-docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,6 +30,16 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydcp tests bench jobs
+
+# The public modules (pyproject's [tool.mypy] files); tests/test_typing.py runs the same check.
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+# The API reference, from the docstrings, into build/api/index.html (the packages' lazy names resolved first).
+api-docs: $(STAMP)
+	$(PY) -c "import pdoc.__main__, raydcp, raydcp.pipeline as p; [getattr(m, n) for m in (raydcp, p) for n in m.__all__]; \
+	pdoc.__main__.cli(['-o', 'build/api', 'raydcp', 'raydcp.train', 'raydcp.pipeline', 'raydcp.options', 'raydcp.errors'])"
+	@echo "API reference: build/api/index.html"
 
 bench: $(STAMP)
 	$(PY) bench/single_process.py

@@ -29,14 +29,17 @@ import sysconfig
 import traceback as _tb
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, TypeVar
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError",
            "ConcurrentSaveError", "StateMismatchError", "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
            "RemoteException", "RankFailure", "user_code"]
 
 
-def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _rebuild(cls: type[_E], args: tuple, state: dict) -> _E:
     """An error of type ``cls`` with ``args`` and attributes ``state``, without calling ``cls.__init__``."""
     err = cls.__new__(cls)
     Exception.__init__(err, *args)
@@ -217,9 +220,10 @@ class RankFailedError(CheckpointError):
     :class:`RemoteException` where it cannot be pickled); ``traceback`` its text.
     """
 
-    def __init__(self, message: str, *, rank: int | None, exception: BaseException, origin: str = "raydcp",
+    def __init__(self, message: str, *, rank: int | None, exception: BaseException | None, origin: str = "raydcp",
                  traceback: str = "", failures=None):
-        super().__init__(message, failures if failures is not None or rank is None else {rank: exception})
+        super().__init__(message, failures if failures is not None or rank is None
+                         else {rank: exception if exception is not None else message})
         self.rank = None if rank is None else int(rank)
         self.exception = exception
         self.origin = origin

@@ -18,6 +18,7 @@ class LazyMapping(Mapping):
     """A read-only mapping whose dict :meth:`_build` makes on the first lookup."""
 
     __slots__ = ("_dict",)
+    _dict: dict | None
 
     @abstractmethod
     def _build(self) -> dict:
@@ -60,6 +61,7 @@ class LazySequence(Sequence):
     """A read-only sequence whose tuple :meth:`_build` makes on first use."""
 
     __slots__ = ("_objs",)
+    _objs: tuple | None
 
     @abstractmethod
     def _build(self) -> tuple:

@@ -13,8 +13,8 @@ JSON status record ``raydcp.status.json`` beside ``raydcp.meta`` in every copy (
 """
 from __future__ import annotations
 
-import importlib
 
+from ..lazy import lazy_attribute
 from .policy import CopyInfo, Candidate, Retention, RetryPolicy, Tier, load_order
 from .status import STATUS_NAME, StageEntry, StatusRecord, TierCopy, decode_status, encode_status
 
@@ -29,9 +29,7 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module 'raydcp.pipeline' has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, name)
 
 
 def read_status(checkpoint, storage_options: dict | None = None) -> StatusRecord | None:

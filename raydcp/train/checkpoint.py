@@ -35,7 +35,6 @@ import ray.train
 from .. import api
 from ..engine.background import SaveFuture
 from ..errors import CheckpointError
-from ..group import Group
 from ..metadata import Metadata
 from ..storage import CheckpointStorage
 from ..runtime.train_group import group_named, new_nonce, proposed_group_name, train_context, worker_group
