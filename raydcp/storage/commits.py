@@ -59,9 +59,12 @@ from ..errors import CheckpointError, ConcurrentSaveError
 from ._common import METADATA_NAME, forget, is_local, translating
 
 __all__ = ["LOG_DIR", "begin_save", "save_generation", "current_generation", "commit_generation", "prune",
-           "remove_save_files", "owned_file", "raydcp_data_file", "raydcp_file", "begun_saves", "linked"]
+           "remove_save_files", "owned_file", "raydcp_data_file", "raydcp_file", "begun_saves", "linked", "RETENTION_RECORD"]
 
 LOG_DIR = "_raydcp"
+# written by a backend's own retention at a commit (raymem://, raynode:// with keep_last): this
+# checkpoint is in the retention scope of later saves beside it
+RETENTION_RECORD = f"{LOG_DIR}/retention"
 # the writer's names: at least 12 digits, no leading zero beyond them (gen-1000000000000.meta follows 999999999999)
 _GEN = re.compile(r"^_raydcp/gen-(\d{12}|[1-9]\d{12,})\.meta$")
 _BEGUN = re.compile(r"^_raydcp/begun-(g\d+-[0-9a-f]{12})$")
@@ -72,7 +75,7 @@ _OWN_FILE = re.compile(r"^(?:\d{5}/)?r\d{5}-f\d{3}\.bin$|^journal/(?:job|\d{5})\
 # the other files raydcp writes in a checkpoint directory: the metadata (and the temporary file of
 # its atomic publish on a local disk), the commit log's records
 _OWN_TOP = re.compile(rf"^{re.escape(METADATA_NAME)}(?:\.tmp-[0-9a-f]{{16}})?$"
-                      r"|^_raydcp/gen-\d{12,}\.meta$|^_raydcp/begun-[^/]+$")
+                      r"|^_raydcp/gen-\d{12,}\.meta$|^_raydcp/begun-[^/]+$|^_raydcp/retention$")
 _KEEP_GENERATIONS = 2
 
 

@@ -4,19 +4,31 @@ Called by :class:`raydcp.runtime.memstore.filesystem.RayMemFileSystem` when the 
 publishes a checkpoint's metadata (``raydcp.meta``): the one step where a memory checkpoint
 becomes visible, and the only one that releases older ones (and the room the save reserved,
 :mod:`raydcp.runtime.memstore.capacity`).
+
+Retention's scope (``keep_last``): the checkpoint directories directly beside the one just
+committed (``raymem://run-7/step-*``: those of ``run-7``; ``raynode:///nvme/{node}/run-7/step-*``:
+those of ``/nvme/{node}/run-7``), never a deeper or a sibling directory, and nothing at all for
+a checkpoint directly at the root (``raymem://ckpt``); among them only those committed with
+``keep_last`` (a save with ``keep_last=0`` keeps its checkpoint out of every later save's
+retention: the commit records ``_raydcp/retention``, :data:`RETENTION_RECORD`); in them only the
+files that follow raydcp's own naming (:func:`raydcp.storage.commits.raydcp_file`). A node-local
+tier's holder indexes every file of its disk directory, a user's too; retention never removes one.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ...errors import CheckpointError
 from ...metadata_format import decode_metadata  # raydcp's own codec, no pickle
 from ...storage import METADATA_NAME
+from ...storage.commits import RETENTION_RECORD, raydcp_file
 from . import placement
 from .capacity import release_after_commit
 from .layout import checkpoint_dir
 
-__all__ = ["publish", "retain", "checkpoint_dir", "lost_reason"]
+__all__ = ["publish", "retain", "retention_scope", "checkpoint_dir", "lost_reason", "RETENTION_RECORD"]
 
 
 def publish(fs, path: str, data: bytes) -> None:
@@ -46,38 +58,57 @@ def publish(fs, path: str, data: bytes) -> None:
     created = time.time_ns()
     fs._publish_copies(placement.alive_nodes(), path, data, created, where)
     started = started if started is not None else created
+    record = f"{directory}/{RETENTION_RECORD}" if directory else RETENTION_RECORD
     if fs.keep_last:
+        # after the metadata: a commit interrupted here leaves the checkpoint out of retention
+        fs._write(record, np.frombuffer(b"", dtype=np.uint8), time.time_ns())
         retain(fs, path, started)
+    else:  # saved without keep_last: out of every later save's retention, whatever an earlier save said
+        fs._call_all("remove", [record])
     release_after_commit(fs, path, md.save_id, started)
 
 
-def retain(fs, meta_path: str, started_ns: int) -> None:
-    """Release what keep_last no longer keeps under this NAME, once the new metadata is out.
+def retention_scope(meta_path: str) -> str | None:
+    """The directory whose checkpoints ``keep_last`` counts for the metadata ``meta_path``: the
+    parent of its checkpoint directory; None for a checkpoint directly at the root."""
+    directory = meta_path.rsplit("/", 1)[0] if "/" in meta_path else ""
+    scope = directory.rsplit("/", 1)[0] if "/" in directory else ""
+    return scope if scope.strip("/") else None
 
-    Every file belongs to the deepest committed checkpoint directory above it. Files of the
-    ``keep_last`` newest committed checkpoints stay; those of older ones go (their metadata
-    first, so an interrupted release leaves an uncommitted directory, never a damaged
-    checkpoint). Files under no committed checkpoint are leftovers of a save that failed, and
-    go when they were all written before the save that just committed started.
+
+def retain(fs, meta_path: str, started_ns: int) -> None:
+    """Release what keep_last no longer keeps in this checkpoint's scope, once the new metadata is out.
+
+    The scope (:func:`retention_scope`) holds checkpoint directories ``<scope>/<name>``. Of those
+    committed with ``keep_last`` (their :data:`RETENTION_RECORD`), the ``keep_last`` newest stay;
+    the older ones lose their own files (their metadata first, so an interrupted release leaves an
+    uncommitted directory, never a damaged checkpoint). Directories not committed hold leftovers
+    of a save that failed: their own files go when all were written before the save that just
+    committed started. Files that do not follow raydcp's naming stay, always.
     """
-    name = meta_path.split("/", 1)[0]
-    entries = fs._entries(name + "/")
-    committed = {p.rsplit("/", 1)[0]: e[1] for p, e in entries.items()
-                 if "/" in p and p.rsplit("/", 1)[1] == METADATA_NAME}
-    newest = sorted(committed, key=lambda d: committed[d], reverse=True)
-    kept = set(newest[:fs.keep_last]) | {meta_path.rsplit("/", 1)[0]}
-    by_depth = sorted(committed, key=len, reverse=True)
-    metas, rest = [], []
-    leftovers: dict[str, list[tuple[str, int]]] = {}
+    scope = retention_scope(meta_path)
+    if scope is None:
+        return
+    entries = fs._entries(scope + "/")
+    dirs: dict[str, list[tuple[str, str, int]]] = {}  # checkpoint dir -> [(path, name in it, created)]
     for path, (_, created, _, _) in entries.items():
-        owner = next((d for d in by_depth if path.startswith(d + "/")), None)
-        if owner is None:
-            leftovers.setdefault(checkpoint_dir(path), []).append((path, created))
-        elif owner not in kept:
-            (metas if path == f"{owner}/{METADATA_NAME}" else rest).append(path)
-    for files in leftovers.values():
-        if max(c for _, c in files) < started_ns:
-            rest.extend(p for p, _ in files)
+        head, sep, rest = path[len(scope) + 1:].partition("/")
+        if sep:
+            dirs.setdefault(f"{scope}/{head}", []).append((path, rest, created))
+    committed = {d: next(c for _, n, c in files if n == METADATA_NAME) for d, files in dirs.items()
+                 if any(n == METADATA_NAME for _, n, _ in files)}
+    retained = [d for d in committed if any(n == RETENTION_RECORD for _, n, _ in dirs[d])]
+    newest = sorted(retained, key=lambda d: (committed[d], d), reverse=True)
+    kept = set(newest[:fs.keep_last]) | {meta_path.rsplit("/", 1)[0]}
+    metas, rest = [], []
+    for d, files in dirs.items():
+        own = [(p, n, c) for p, n, c in files if raydcp_file(n)]
+        if d in committed:
+            if d in retained and d not in kept:
+                metas += [p for p, n, _ in own if n == METADATA_NAME]
+                rest += [p for p, n, _ in own if n != METADATA_NAME]
+        elif own and max(c for _, _, c in own) < started_ns:
+            rest += [p for p, _, _ in own]
     if metas:
         fs._call_all("remove", metas)
     if rest:
