@@ -91,7 +91,8 @@ def reserve(fs, path: str, save_id: str, bytes_by_site: dict) -> None:
     fs._gather(nodes, [h.release_saves.remote([key]) for h in holders], f"release the reservation of {url}")
     r = refused[0]
     mine = own.get(r["node"], 0)
-    name = path.split("/", 1)[0]
+    # the checkpoints keep_last counts: those beside this one (raydcp.runtime.memstore.commit.retention_scope)
+    name = path.strip("/").rsplit("/", 1)[0] if "/" in path.strip("/") else path.strip("/")
     older = _held_under(fs, name, r["node"])
     detail = (f" ({mine} of its own ranks' files, {r['need'] - mine} of replicas of other nodes' files, "
               f"replicas={replicas}; {older} of the bytes it holds are checkpoints under raymem://{name}/, "
