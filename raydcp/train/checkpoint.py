@@ -280,10 +280,10 @@ def _memory_source(ctx, checkpoint, memory_options: dict | None) -> str | None:
 
 def run_checkpoint_dirs(storage, storage_options: dict | None = None) -> list[tuple[str, str]]:
     """(name, URL) of every directory directly under the run that raydcp.train.save created."""
-    import fsspec
+    from ..storage.paths import location_to_fs
 
     root, options = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, storage_options)
-    fs, path = fsspec.core.url_to_fs(root, **(options or {}))
+    fs, path = location_to_fs(root, options)  # a plain local path is literal ('::' included)
     try:
         entries = fs.ls(path, detail=True)
     except FileNotFoundError:
