@@ -16,7 +16,8 @@ passes the same):
 - :class:`SaveOptions` (``raydcp.save``, ``raydcp.async_save``, ``ShardGroup.save``, the
   pipeline, ``raydcp reshard``, ``raydcp convert --from``): the largest data file a rank writes,
   the compression of the pieces and the write path's :class:`IOOptions`;
-- :class:`LoadOptions` (``raydcp.load``): the read path's :class:`IOOptions`.
+- :class:`LoadOptions` (``raydcp.load``): the read path's :class:`IOOptions`, and whether a load
+  that fails leaves the state as it was (``atomic``).
 
 :class:`IOOptions` holds the write and read path's sizes and thread counts (the defaults,
 :data:`DEFAULT_IO`, suit most storage). The API layer (:mod:`raydcp.api`) reads them once per
@@ -186,12 +187,23 @@ class SaveOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
-    """How a load reads: ``io``, the read path's sizes and threads (:class:`IOOptions`)."""
+    """How a load reads and what it leaves when it fails.
+
+    ``io``: the read path's sizes and threads (:class:`IOOptions`). ``atomic`` (default True): a
+    load that raises leaves the state dict as it was (tensors, plain values, Stateful objects,
+    Modules and optimizers), on every rank of the group; it keeps a host copy of the tensors it
+    fills until it returns (extra host memory equal to the bytes this rank loads).
+    ``atomic=False`` saves that memory: a failed load may leave some tensors filled, and its
+    error names them (``written_keys``).
+    """
 
     io: IOOptions = DEFAULT_IO
+    atomic: bool = True
 
     def __post_init__(self) -> None:
         _check_io("LoadOptions", self.io)
+        if not isinstance(self.atomic, bool):
+            raise CheckpointError(f"LoadOptions.atomic must be True or False, got {self.atomic!r}")
 
 
 DEFAULT_SAVE = SaveOptions()

@@ -18,8 +18,9 @@ list without tensors is one plain value.
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -72,6 +73,9 @@ class TensorLeaf(NamedTuple):
 
 @dataclass
 class FlatState:
+    """A state dict flattened (:func:`flatten_state`). For a load it also holds what puts the state
+    back as it was when the load raises (:meth:`undo_copy`, :meth:`rollback`)."""
+
     tensors: dict[str, TensorLeaf]
     values: dict[str, Any]
     # load only: how to put a loaded plain value back, and Stateful objects to hand back, innermost first
@@ -79,13 +83,69 @@ class FlatState:
     finalizers: list[Callable[[], None]]
     # load only: optimizer key -> its parameters' FQNs by id, to read integer-keyed checkpoints
     param_orders: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # load only: what reverts the changes flattening itself made (a fresh optimizer's state, which
+    # flattening initialises so that a load can fill it); run last by rollback, newest first
+    reverts: list[Callable[[], None]] = field(default_factory=list)
+    # load only: the plain values finish_load set, and how many finalizers it started
+    _values_set: list[str] = field(default_factory=list)
+    _finalizers_run: int = 0
 
     def finish_load(self, values: dict[str, Any]) -> None:
         for fqn, v in values.items():
+            self._values_set.append(fqn)
             self.setters[fqn](v)
         for fin in self.finalizers:
+            self._finalizers_run += 1  # counted before: one that raises may have applied part of the state
             with user_code("a Stateful's load_state_dict()"):
                 fin()
+
+    def undo_copy(self, keys: Iterable[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host copies of the tensors of ``keys`` as they are now: ``(tensor, copy)`` pairs for
+        :meth:`rollback`. A load takes it after planning, before it writes a byte; it costs host
+        memory equal to those tensors' bytes (a CUDA tensor's copy is on the host too)."""
+        out = []
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "ComplexHalf support is experimental")  # torch's, for complex32
+            for key in keys:
+                t = self.tensors[key].tensor
+                if t.numel():
+                    out.append((t, torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t.detach())))
+        return out
+
+    def rollback(self, copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Put the state dict back as it was before a load that raised (every step of it, in order):
+
+        1. the tensors of ``copies`` (:meth:`undo_copy`) get their saved contents back;
+        2. the plain values :meth:`finish_load` replaced get their old values back;
+        3. the finalizers it started run again, so that each Stateful object, Module and
+           optimizer whose ``load_state_dict`` ran gets its own earlier state back (their state
+           dicts now hold it again, by steps 1 and 2);
+        4. the reverts run (a fresh optimizer is fresh again).
+
+        Every step runs even when an earlier one raises; the first error is raised at the end."""
+        first: BaseException | None = None
+        with torch.no_grad():
+            for t, saved in copies or ():
+                t.detach().copy_(saved)
+        for fqn in reversed(self._values_set):
+            try:
+                self.setters[fqn](self.values[fqn])
+            except Exception as exc:  # noqa: PERF203 -- every value gets its chance
+                first = first or exc
+        ran, self._values_set, self._finalizers_run = self._finalizers_run, [], 0
+        for fin in self.finalizers[:ran]:
+            try:
+                with user_code("a Stateful's load_state_dict() (given its earlier state back)"):
+                    fin()
+            except Exception as exc:  # noqa: PERF203
+                first = first or exc
+        for revert in reversed(self.reverts):
+            try:
+                revert()
+            except Exception as exc:  # noqa: PERF203
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 _STRIDED = torch.strided
@@ -232,9 +292,14 @@ def flatten_state(state_dict: dict, *, for_load: bool = False) -> FlatState:
                 f"raydcp.Shard, DTensor or an object with state_dict()/load_state_dict()"
             )
 
-    modules = ModuleLeaves(for_load, flat.finalizers)
-    visit(state_dict, "", lambda v: None)
-    modules.finish(visit)
+    modules = ModuleLeaves(for_load, flat.finalizers, flat.reverts)
+    try:
+        visit(state_dict, "", lambda v: None)
+        modules.finish(visit)
+    except BaseException:
+        for revert in reversed(flat.reverts):  # what flattening changed before it failed
+            revert()
+        raise
     flat.param_orders = modules.param_orders
     visit = whole_tensor = modules = None  # noqa: F841 -- break the closures' self-references, so tensors are freed without a GC pass
     return flat

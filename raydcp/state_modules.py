@@ -23,7 +23,8 @@ Protocol (called by :func:`raydcp.state.flatten_state`, in this order):
 3. :meth:`ModuleLeaves.finish` once the walk is over: each optimizer is matched with its Module,
    a fresh one's state is initialised (DCP's ``_init_optim_state``: one step with zero gradients
    and zero learning rate), and its state is flattened, so a load fills every moment in place;
-   the slot then runs ``set_optimizer_state_dict``.
+   the slot then runs ``set_optimizer_state_dict``. A load that raises clears that initialised
+   state again (``FlatState.reverts``): the optimizer is left fresh, as it came.
 
 Checkpoints written before this layout keep an optimizer's state by integer parameter id
 (``optim.state.0.exp_avg``, ``params: [0, 1, ...]``). :func:`legacy_optimizer_renames` maps such
@@ -63,9 +64,11 @@ def _noop(_value: Any) -> None:
 class ModuleLeaves:
     """The Module and Optimizer leaves met while flattening one state dict (see module doc)."""
 
-    def __init__(self, for_load: bool, finalizers: list[Callable[[], None]]):
+    def __init__(self, for_load: bool, finalizers: list[Callable[[], None]],
+                 reverts: list[Callable[[], None]] | None = None):
         self.for_load = for_load
         self.finalizers = finalizers
+        self.reverts = reverts if reverts is not None else []  # undo what a load's flattening changed
         self.modules: list[tuple[str, torch.nn.Module]] = []
         self._optimizers: list[tuple[str, torch.optim.Optimizer, list]] = []
         # optimizer key -> the FQN of each parameter, by parameter id (for integer-keyed checkpoints)
@@ -102,6 +105,8 @@ class ModuleLeaves:
         for fqn, optim, slot in self._optimizers:
             model = self._model_of(fqn, optim)
             dsd = _dsd()
+            if self.for_load and not optim.state:  # a load that raises leaves a fresh optimizer fresh
+                self.reverts.append(lambda optim=optim: optim.state.clear())  # its state now, not this dict
             try:
                 sd = dsd.get_optimizer_state_dict(model, optim)  # initialises a fresh optimizer's state
             except Exception as exc:

@@ -5,10 +5,10 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..codec import itemsize
-from ..errors import CheckpointError, RankFailure
+from ..errors import CheckpointError, RankFailure, failures_error
 from ..metadata import Metadata
 from ..metadata_format import decode_metadata
 from ..options import DEFAULT_LOAD, LoadOptions
@@ -75,9 +75,11 @@ def _stored_sources(md: Metadata):
 
 
 def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):
-    """Each rank sends (its LocalLoadPlan, its optimizers' parameter FQNs by id); each gets back
-    (its RankLoadPlan, its Skipped, the group's Skipped: every rank's state-dict-only keys, the
-    compressed pieces of the files it reads or None)."""
+    """Each rank sends (its LocalLoadPlan, its optimizers' parameter FQNs by id, whether it hands
+    state back to Stateful objects, Modules or optimizers); each gets back (its RankLoadPlan, its
+    Skipped, the group's Skipped: every rank's state-dict-only keys, the compressed pieces of the
+    files it reads or None, whether any rank hands state back: then the load ends with a
+    "load: commit" step, see :func:`load_with`)."""
     return _plan_loads(read_metadata(checkpoint_id, storage_options), requests)
 
 
@@ -101,14 +103,15 @@ def _plan_loads(md: Metadata, requests: Sequence[tuple]) -> list:
     packed = CompressedPieces.of_metadata(md)
     plans = plan_load(sources, local_plans, values, itemsizes, joint_reads=not packed, tiles=md.tensors)
     compressed = [packed.for_plan(p) if packed else None for p in plans]
+    commit = any(len(r) > 2 and r[2] for r in requests)
     if all(lp.strict for lp in local_plans):
-        return [(p, None, None, c) for p, c in zip(plans, compressed)]
+        return [(p, None, None, c, commit) for p, c in zip(plans, compressed)]
     stored = set(available) | set(values)
     wanted = [set(lp.tensors) | set(lp.values) for lp in local_plans]
     ckpt_only = tuple(sorted(stored.difference(*wanted)))
     mine = [tuple(sorted(w - stored)) for w in wanted]
     group = Skipped(ckpt_only, tuple(sorted(set().union(*mine))))
-    return [(p, Skipped(ckpt_only, m), group, c) for p, m, c in zip(plans, mine, compressed)]
+    return [(p, Skipped(ckpt_only, m), group, c, commit) for p, m, c in zip(plans, mine, compressed)]
 
 
 def _param_orders(per_rank) -> dict[str, tuple[str, ...]]:
@@ -134,14 +137,18 @@ def _warn_skipped(checkpoint_id: str, skipped: Skipped | None) -> None:
     log.warning("raydcp.load(strict=False) of %s skipped %s", checkpoint_id, "; ".join(parts))
 
 
-def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: ChunkReader) -> int:
-    """Steps 3-5 of a load: read and deliver, exchange, finish together. Returns bytes read."""
+def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: ChunkReader,
+             written: list[str] | None = None, before: Callable[[], Any] | None = None) -> tuple[int, Any]:
+    """Steps 3-5 of a load: read and deliver, exchange, finish together. Returns (bytes read,
+    what ``before()`` returned: it runs first, a failure of it failing the step like a read's).
+    ``written``: see :class:`~raydcp.engine.reads.Deliverer`."""
     rank = transport.rank
     leaves = [flat.tensors[k] for k in sorted(flat.tensors)]
-    out = Deliverer(rank, leaves)
+    out = Deliverer(rank, leaves, written)
     failure: Any = None
-    nread = 0
+    nread, prepared = 0, None
     try:
+        prepared = before() if before is not None else None
         nread = reader.read_all(plan.reads, out)
     except Exception as exc:  # still take part in the exchange, so no rank waits forever
         failure = RankFailure.from_exception(rank, exc)
@@ -158,13 +165,59 @@ def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: 
     # verifies the checksum blocks that several ranks read in shares (joint reads)
     shares = getattr(reader, "shares", None) or []
     transport.reduce_scatter("load: finish", failure if failure is not None else shares, _all_done)
-    flat.finish_load(dict(plan.values))
-    return nread
+    return nread, prepared
 
 
 def _all_done(values: list) -> list:
     check_shares(share for shares in values if shares for share in shares)
     return [None] * len(values)
+
+
+def _none(values: list) -> list:
+    return [None] * len(values)
+
+
+def _hand_back(transport: Transport, flat: FlatState, values: dict, commit: bool, step: str = "load: commit") -> None:
+    """The plain values and the Statefuls' ``load_state_dict`` (once every rank's tensors are in);
+    with ``commit`` (some rank hands state back) a last step, "load: commit", makes a failure
+    there fail every rank, so that every rank rolls back."""
+    failure: Any = None
+    try:
+        flat.finish_load(values)
+    except Exception as exc:
+        failure = RankFailure.from_exception(transport.rank, exc)
+        if not commit:
+            raise failures_error(step, [failure]) from None
+    if commit:
+        transport.reduce_scatter(step, failure, _none)
+
+
+def _rolled_back(flat: FlatState | None, copies, written: list[str] | None, rank: int, exc: BaseException):
+    """Roll ``flat`` back after a load raised ``exc`` (:meth:`FlatState.rollback`); returns the
+    error to raise: ``exc``, or for a load that is not atomic (``written``) ``exc`` naming the
+    keys whose tensors it had written."""
+    if flat is not None:
+        try:
+            flat.rollback(copies)
+        except Exception as undo_exc:
+            log.error("rank %d: putting the state dict back after a failed load failed too: %s", rank, undo_exc)
+            if not isinstance(exc, CheckpointError):
+                return exc
+            return exc.copy(f"{exc}\n(rank {rank}: putting the state dict back failed too: "
+                            f"{type(undo_exc).__name__}: {undo_exc}; do not use it)")
+    if written is None or not isinstance(exc, CheckpointError):
+        return exc
+    keys = sorted(set(written))
+    if not keys:
+        return exc.copy(f"{exc}\n(rank {rank}: no tensor of the state dict was written)", written_keys=())
+    shown = ", ".join(keys[:_KEYS_SHOWN]) + (f" and {len(keys) - _KEYS_SHOWN} more (the error's written_keys)"
+                                             if len(keys) > _KEYS_SHOWN else "")
+    return exc.copy(f"{exc}\n(rank {rank}: LoadOptions(atomic=False): the load had already written "
+                    f"{len(keys)} tensor(s) of the state dict, which now hold a mix of states: {shown})",
+                    written_keys=tuple(keys))
+
+
+_KEYS_SHOWN = 20
 
 
 def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, strict: bool = True,
@@ -176,7 +229,16 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     "plan": the coordinator reads the metadata once, checks every rank's request
     (one error naming every offending key, on every rank) and assigns each needed
     source byte range to one reader; 3. read assigned chunks, fill local tensors,
-    queue parts for other ranks; 4. exchange; 5. reduce_scatter "finish".
+    queue parts for other ranks; 4. exchange; 5. reduce_scatter "finish": every
+    rank's reads verified, or every rank fails; 6. the plain values and the Statefuls'
+    ``load_state_dict``; where a rank has Statefuls, reduce_scatter "commit": every rank's
+    step 6 went through, or every rank fails.
+
+    A load that raises, at any step and on any rank, leaves the state dict of every rank as
+    it was (:meth:`FlatState.rollback`): with ``options.atomic`` (the default) each rank keeps
+    a host copy of the tensors it fills from step 3 until it returns, and copies it back when
+    the load fails (on every rank, as the failing steps are collective). Without it there is
+    no copy, and the error names the keys this rank had written (``written_keys``).
 
     With ``strict=False`` the result names the keys skipped, and rank 0 logs them (all ranks'
     together) in one warning unless ``warn_skipped`` is False (internal partial loads).
@@ -184,25 +246,60 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     """
     options = DEFAULT_LOAD if options is None else options
     t0 = time.perf_counter()
+    flat: FlatState | None = None
     try:
         flat = flatten_state(state_dict, for_load=True)
-        local: Any = (local_load_plan(transport.rank, flat, strict), flat.param_orders or None)
+        local: Any = (local_load_plan(transport.rank, flat, strict), flat.param_orders or None,
+                      bool(flat.finalizers))
     except Exception as exc:
         local = RankFailure.from_exception(transport.rank, exc)
-    plan, skipped, group_skipped, compressed = transport.reduce_scatter(
-        "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
-    storage = CheckpointStorage(checkpoint_id, storage_options)
+    copies: list = []
+    written = None if options.atomic else []
     try:
-        nread = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed))
-    finally:
-        storage.close()
+        plan, skipped, group_skipped, compressed, commit = transport.reduce_scatter(
+            "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
+        before = None
+        if options.atomic:
+            def before():
+                copies.extend(_undo_copy(flat, _filled(flat, skipped)))
+        storage = CheckpointStorage(checkpoint_id, storage_options)
+        try:
+            nread, _ = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed), written,
+                                before)
+        finally:
+            storage.close()
+        _hand_back(transport, flat, dict(plan.values), commit)
+    except BaseException as exc:
+        raise _rolled_back(flat, copies, written, transport.rank, exc) from None
     if warn_skipped and transport.rank == 0:
         _warn_skipped(checkpoint_id, group_skipped)
     return LoadStats(nread, plan.bytes_needed, time.perf_counter() - t0, skipped or Skipped())
 
 
+def _undo_copy(flat: FlatState, keys: list[str]) -> list:
+    """:meth:`FlatState.undo_copy`, a lack of memory for it as a CheckpointError saying what to do."""
+    try:
+        return flat.undo_copy(keys)
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
+            raise
+        need = sum(flat.tensors[k].tensor.nbytes for k in keys)
+        raise CheckpointError(
+            f"no host memory for the load's undo copy ({need} bytes: the tensors this rank fills, kept so "
+            f"that a failed load leaves them as they were): free memory, or load with "
+            f"raydcp.LoadOptions(atomic=False) (a failed load then names the tensors it wrote)") from exc
+
+
+def _filled(flat: FlatState, skipped: Skipped | None) -> list[str]:
+    """The keys of ``flat``'s tensors a load fills: all but those the checkpoint lacks (strict=False)."""
+    if not skipped or not skipped.state_dict_only:
+        return list(flat.tensors)
+    absent = set(skipped.state_dict_only)
+    return [k for k in flat.tensors if k not in absent]
+
+
 def transfer_with(transport: Transport, source_state: dict | None, dest_state: dict | None, *,
-                  strict: bool = True) -> LoadStats:
+                  strict: bool = True, atomic: bool = True) -> LoadStats:
     """Move a live group's state to another layout through the transport, no storage round trip.
 
     Every rank of ``transport`` calls it; a rank may hold source pieces
@@ -210,9 +307,15 @@ def transfer_with(transport: Transport, source_state: dict | None, dest_state: d
     plan is a load plan whose source chunks are the source ranks' pieces: each
     needed piece is served by one rank holding it, sliced and sent to the ranks
     that want it (through the object store with the Ray transport).
+
+    A transfer that raises leaves ``dest_state`` as it was, as :func:`load_with` does (with
+    ``atomic``, by a host copy of the tensors it fills; ``atomic=False`` for a destination
+    nobody sees when the transfer fails, such as fresh pieces, and the error names the keys
+    written). The source is only read.
     """
     t0 = time.perf_counter()
     rank = transport.rank
+    flat: FlatState | None = None
     try:
         src_flat = flatten_state(source_state) if source_state is not None else None
         staged = local_save_plan(rank, src_flat, compare_replicas=False) if src_flat else None
@@ -221,7 +324,14 @@ def transfer_with(transport: Transport, source_state: dict | None, dest_state: d
         local: Any = (staged.plan if staged else None, dest)
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
-    plan = transport.reduce_scatter("transfer: plan", local, plan_transfer)
-    reader = LiveChunkReader(lambda key: src_flat.tensors[key].tensor)
-    _execute(transport, plan, flat, reader)
+    copies: list = []
+    written = None if atomic else []
+    try:
+        plan = transport.reduce_scatter("transfer: plan", local, plan_transfer)
+        reader = LiveChunkReader(lambda key: src_flat.tensors[key].tensor)
+        before = (lambda: copies.extend(_undo_copy(flat, list(flat.tensors)))) if atomic else None
+        _execute(transport, plan, flat, reader, written, before)
+        _hand_back(transport, flat, dict(plan.values), False, "transfer: hand back")
+    except BaseException as exc:
+        raise _rolled_back(flat, copies, written, rank, exc) from None
     return LoadStats(0, plan.bytes_needed, time.perf_counter() - t0)

@@ -37,13 +37,17 @@ def _region(leaf: TensorLeaf, offsets, sizes) -> torch.Tensor:
 
 
 class Deliverer:
-    """Puts delivered parts into this rank's tensors, or queues them for other ranks."""
+    """Puts delivered parts into this rank's tensors, or queues them for other ranks.
 
-    def __init__(self, rank: int, leaves: Sequence[TensorLeaf]):
+    ``written``: None, or a list the readers add a key to before they write into its tensor's
+    memory (a load that is not atomic names them when it fails)."""
+
+    def __init__(self, rank: int, leaves: Sequence[TensorLeaf], written: list[str] | None = None):
         self.rank = rank
         self.leaves = leaves
         self.outgoing: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         self.received = 0
+        self.written = written
 
     def direct(self, d: Delivery, nbytes: int) -> torch.Tensor | None:
         """The memory that delivery ``d`` (of ``nbytes``) fills, when it is this rank's, on the
@@ -69,13 +73,18 @@ class Deliverer:
 
     def deliver(self, d: Delivery, src: torch.Tensor) -> None:
         if d.rank == self.rank:
-            _region(self.leaves[d.item], d.offsets, d.sizes).copy_(src)
+            leaf = self.leaves[d.item]
+            if self.written is not None:
+                self.written.append(leaf.fqn)
+            _region(leaf, d.offsets, d.sizes).copy_(src)
         else:
             self.outgoing.setdefault(d.rank, []).append(((d.item, d.offsets, d.sizes), tensor_bytes(src)))
 
     def accept(self, tag: Any, buf: Any) -> None:
         item, offsets, sizes = tag
         leaf = self.leaves[item]
+        if self.written is not None:
+            self.written.append(leaf.fqn)
         _region(leaf, offsets, sizes).copy_(tensor_from_bytes(buf, leaf.dtype, tuple(sizes)))
         self.received += 1
 
@@ -209,11 +218,12 @@ class FileChunkReader(ChunkReader):
         task = io.read_task_bytes
         try:
             unpacked = [pool.submit(self._read_packed, cr, out) for cr in packed]
-            pending = [(ch, [pool.submit(self._read_part, ch, view, s, min(s + task, ch.nbytes))
+            written = out.written
+            pending = [(ch, [pool.submit(self._read_part, ch, view, s, min(s + task, ch.nbytes), written)
                              for s in range(0, ch.nbytes, task)])
                        for ch, view in ((ch, memoryview(_host_bytes(dest))) for ch, dest in large)]
             for name, chunks in small.items():
-                self._read_small(name, chunks, resolve)
+                self._read_small(name, chunks, resolve, out.written)
             for cr in rest:
                 nread += self.read(cr, out)
             nread += sum(f.result() for f in unpacked)
@@ -265,11 +275,14 @@ class FileChunkReader(ChunkReader):
             rest.append(cr)
         return small, large, rest, None
 
-    def _read_part(self, ch, view: memoryview, start: int, end: int) -> list[int]:
+    def _read_part(self, ch, view: memoryview, start: int, end: int, written: list[str] | None = None) -> list[int]:
         """Read bytes [start, end) of chunk ``ch`` into ``view`` (the whole chunk's memory) and
         verify them: block by block where the chunk has block checksums (their CRCs are returned,
-        to be combined into the chunk's), else the whole chunk against its checksum."""
+        to be combined into the chunk's), else the whole chunk against its checksum. ``written``:
+        see :class:`Deliverer`."""
         part = view[start:end]
+        if written is not None:
+            written.append(ch.key)
         try:
             self.storage.read_into(ch.file, ch.byte_offset + start, part)
         except CheckpointError as exc:
@@ -290,11 +303,13 @@ class FileChunkReader(ChunkReader):
             out.append(c)
         return out
 
-    def _read_small(self, name: str, chunks: list[tuple], resolve: Callable[[Any], Any] | None) -> None:
+    def _read_small(self, name: str, chunks: list[tuple], resolve: Callable[[Any], Any] | None,
+                    written: list[str] | None = None) -> None:
         """Read small whole chunks ``(byte offset, nbytes, checksum, destination, ref)`` of file
         ``name`` in batches: each batch into one buffer, touching chunks with one read, then each
         chunk verified and copied into its tensor. ``resolve(ref)`` gives the chunk (a
-        SourceChunk) to name in errors; without ``resolve``, ``ref`` is the chunk."""
+        SourceChunk) to name in errors; without ``resolve``, ``ref`` is the chunk. ``written``:
+        see :class:`Deliverer`."""
         crc = crc32c.crc32c
         memmove = ctypes.memmove
         batch_bytes = self.io.read_batch_bytes
@@ -323,12 +338,14 @@ class FileChunkReader(ChunkReader):
                 self.storage.read_into_many(name, requests)
             except CheckpointError:
                 for _, nb, _, dest, ref in batch:  # name the first chunk that cannot be read
-                    self._read_part(resolve(ref) if resolve else ref, memoryview(_host_bytes(dest)), 0, nb)
+                    self._read_part(resolve(ref) if resolve else ref, memoryview(_host_bytes(dest)), 0, nb, written)
                 raise
             pos = 0
             for _, nb, expected, dest, ref in batch:
                 if expected is not None and crc(view[pos:pos + nb]) != expected:
                     raise _mismatch(resolve(ref) if resolve else ref, 0, nb)
+                if written is not None:
+                    written.append((resolve(ref) if resolve else ref).key)
                 memmove(dest.data_ptr(), base + pos, nb)
                 pos += nb
             i = j
@@ -385,6 +402,8 @@ class FileChunkReader(ChunkReader):
             return False
         ch = cr.source
         view = dest.reshape(-1).view(torch.uint8).numpy()
+        if out.written is not None:
+            out.written.append(ch.key)
         try:
             self.storage.read_into(ch.file, ch.byte_offset, memoryview(view))
         except CheckpointError as exc:
