@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from ..codec import dtype_from_name, dtype_name, is_plain_value
-from ..engine import load, save
+from ..engine import load_with, save_with
 from ..errors import CheckpointError
 from ..options import SaveOptions
 from ..planner.tiling import piece_problems
 from ..storage import CheckpointStorage
+from ..transport import LocalTransport
 from ._io import DEFAULT_BUDGET, ConvertResult, Destination, Progress, TensorSource
 from ..state import Shard
 from .dcp_pickle import read_dcp_metadata
@@ -175,8 +176,8 @@ def _load_pieces(source: TensorSource, group: list[tuple[str, Any]]):
             state[key] = torch.empty(t.shape, dtype=dtype)
         else:
             state[key] = Shard(torch.empty(tuple(c.sizes), dtype=dtype), tuple(c.offsets), tuple(t.shape))
-    load({k: v for k, v in state.items()}, source.checkpoint_id, strict=False,
-         storage_options=source.storage_options)
+    load_with(LocalTransport(), dict(state), source.checkpoint_id, strict=False, storage_options=source.storage_options,
+              warn_skipped=False)  # a group of the keys, on purpose: the others are not skipped, only later
     for key, c in group:
         piece = state.pop(key)
         piece = piece.tensor if isinstance(piece, Shard) else piece
@@ -233,7 +234,8 @@ def from_torch_dcp(src, dst, *, storage_options: dict | None = None, overwrite: 
                 result.values += 1
             else:
                 result.skipped[fqn] = why
-    written = save(_nest(flat, md.planner_data), dst, storage_options=storage_options, options=options)
+    written = save_with(LocalTransport(), _nest(flat, md.planner_data), os.fspath(dst), storage_options=storage_options,
+                        options=options)
     result.nbytes = written.total_bytes
     result.files = sorted(written.files)
     return result

@@ -258,14 +258,14 @@ def test_to_dcp_streams_one_group_at_a_time(tmp_path, monkeypatch):
 
     src = tmp_path / "rd"
     raydcp.save({"a": torch.randn(64), "b": torch.randn(64), "c": torch.randn(8)}, src)
-    held, real_load = [], torch_dcp.load
+    held, real_load = [], torch_dcp.load_with
 
-    def recording(state, *args, **kwargs):
+    def recording(transport, state, *args, **kwargs):
         assert all(ref() is None for ref in held), "a piece already written to DCP is still alive"
-        real_load(state, *args, **kwargs)
+        real_load(transport, state, *args, **kwargs)
         held.extend(weakref.ref(v.tensor if isinstance(v, raydcp.Shard) else v) for v in state.values())
 
-    monkeypatch.setattr(torch_dcp, "load", recording)
+    monkeypatch.setattr(torch_dcp, "load_with", recording)
     seen = []
     result = to_torch_dcp(src, tmp_path / "dcp", budget_bytes=1, progress=lambda done, total: seen.append(done))
     assert result.tensors == 3 and len(held) == 3 and seen[-1] == result.nbytes == (64 + 64 + 8) * 4
