@@ -21,9 +21,6 @@ from ._registry import BUILTIN_MODULES, Command, register, registered
 
 __all__ = ["main", "build_parser", "Command", "register", "BUILTIN_MODULES"]
 
-BUILTIN_MODULES = ("inspect_cmd", "verify_cmd", "convert_cmd", "diff_cmd", "status", "reshard_cmd", "ls_cmd",
-                   "mem_cmd")
-
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__

@@ -28,6 +28,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "status",
     "reshard_cmd",
     "ls_cmd",
+    "mem_cmd",
 )
 
 
