@@ -6,6 +6,7 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DEMO_PATH = '"/tmp/raydcp-demo/step-100"'  # the first snippet's path literal; tests put theirs in its place
+ACTORS_PATH = '"/tmp/raydcp-demo/actors"'  # the actors example's
 
 
 def using_it_snippets() -> list[str]:
@@ -15,13 +16,16 @@ def using_it_snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.DOTALL)
 
 
+def _with_path(code: str, literal: str, path: str) -> str:
+    assert code.count(literal) == 1, f"README's snippet no longer sets its path to {literal} the way the test expects"
+    return code.replace(literal, repr(path))
+
+
 def single_process_snippet(path: str) -> str:
-    code = using_it_snippets()[0]
-    assert code.count(DEMO_PATH) == 1, "README's first snippet no longer sets its path the way the test expects"
-    return code.replace(DEMO_PATH, repr(path))
+    return _with_path(using_it_snippets()[0], DEMO_PATH, path)
 
 
-def group_snippet() -> str:
+def actors_snippet(path: str) -> str:
     code = using_it_snippets()[1]
-    assert "raydcp.Group(" in code and "group=group" in code
-    return code
+    assert "ray.init()" in code and "raydcp.Group(" in code and "group=self.group" in code
+    return _with_path(code, ACTORS_PATH, path)

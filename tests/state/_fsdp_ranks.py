@@ -74,10 +74,10 @@ class FsdpRank:
         return out
 
     def run_snippet(self, code: str, path: str) -> None:
-        """Execute README's group snippet as this rank, with its model and optimizer as the state dict."""
+        """Execute ``code`` as this rank, with its model and optimizer as the state dict."""
         ns = {"raydcp": raydcp, "rank": self.rank, "world_size": self.world, "path": path,
               "state_dict": {"model": self.model, "optim": self.optim}}
-        exec(compile(code, "README.md:Using it (group)", "exec"), ns)
+        exec(compile(code, "group snippet", "exec"), ns)
 
     def load(self, path: str, group_name: str) -> list:
         stats = raydcp.load({"model": self.model, "optim": self.optim}, path,

@@ -1,14 +1,20 @@
 """FSDP2 + AdamW as Module/Optimizer leaves, N=2 ranks -> M=3 ranks: real torch.distributed (gloo)
-in Ray actors. The save runs README's group snippet as written."""
+in Ray actors."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.state._fsdp_ranks import FsdpRank, free_port
-from tests.readme_snippets import group_snippet
 
 pytestmark = pytest.mark.ray
+
+# Each rank's save and load back with its Group, as a training loop writes them.
+GROUP_SAVE = """
+group = raydcp.Group("fsdp-save", rank, world_size, timeout_s=600)
+raydcp.save(state_dict, path, group=group)
+raydcp.load(state_dict, path, group=group)
+"""
 
 
 def _world(ray, n: int, seed: int):
@@ -34,7 +40,7 @@ def test_fsdp2_adamw_saved_by_2_ranks_loads_onto_3_fresh_ranks(ray_session, tmp_
         want = _gathered(ray, src)
         assert sum(k.endswith("/exp_avg") for k in want) == 8  # every parameter has its moments
         path = str(tmp_path / "fsdp")
-        ray.get([a.run_snippet.remote(group_snippet(), path) for a in src], timeout=180)
+        ray.get([a.run_snippet.remote(GROUP_SAVE, path) for a in src], timeout=180)
         assert _gathered(ray, src).keys() == want.keys()  # the snippet's load back changed nothing
         for k, v in _gathered(ray, src).items():
             assert torch.equal(v, want[k]), k
