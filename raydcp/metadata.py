@@ -12,7 +12,7 @@ import numpy as np
 
 from .lazy import LazyMapping
 
-__all__ = ["FORMAT_VERSION", "COMPRESSED_FORMAT_VERSION", "READ_MAJORS", "BLOCK_BYTES", "COMPRESSIONS", "ChunkMeta",
+__all__ = ["first_use", "FORMAT_VERSION", "COMPRESSED_FORMAT_VERSION", "READ_MAJORS", "BLOCK_BYTES", "COMPRESSIONS", "ChunkMeta",
            "ChunkTable", "ChunkColumns", "TensorMeta", "TensorMetas", "Metadata"]
 
 FORMAT_VERSION = (1, 0)              # a checkpoint without compressed pieces (raydcp before compression reads it)
@@ -390,7 +390,7 @@ class Metadata:
             if len(cols.file):
                 length = cols.nbytes if cols.stored is None else cols.stored
                 sums = np.bincount(cols.file, weights=length, minlength=len(cols.files))
-                for f in _first_use(cols.file).tolist():
+                for f in first_use(cols.file).tolist():
                     out[cols.files[f]] = int(sums[f])
             return out
         for t in self.tensors.values():
@@ -412,7 +412,7 @@ class Metadata:
         return sorted([*self.tensors, *self.values])
 
 
-def _first_use(file: np.ndarray) -> np.ndarray:
+def first_use(file: np.ndarray) -> np.ndarray:
     """The distinct values of ``file`` in the order of their first occurrence.
 
     File ids are few and small: the first row of each comes from one pass (``np.minimum.at``),

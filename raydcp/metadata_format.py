@@ -27,7 +27,7 @@ import pyarrow as pa
 from .codec import checksum, decode_value, encode_value, itemsize
 from .errors import CheckpointDamagedError, CheckpointError
 from .metadata import (BLOCK_BYTES, COMPRESSED_FORMAT_VERSION, COMPRESSIONS, FORMAT_VERSION, READ_MAJORS,
-                       ChunkColumns, ChunkMeta, ChunkTable, Metadata, TensorMeta, TensorMetas, _first_use, codec_id)
+                       ChunkColumns, ChunkMeta, ChunkTable, Metadata, TensorMeta, TensorMetas, first_use, codec_id)
 
 MAGIC = b"RAYDCPM\n"
 _INT64_MAX = (1 << 63) - 1
@@ -111,7 +111,7 @@ def _encode_columns(md: Metadata, names: list[str], dtypes: list[str], shapes: l
     if n and (crcs.min() < 0 or crcs.max() > 0xFFFFFFFF):
         raise CheckpointError("a chunk checksum is not a 32-bit unsigned integer")
     # the header lists the files in the order of their first use, each once
-    used = _first_use(cols.file) if n else np.zeros(0, np.int64)
+    used = first_use(cols.file) if n else np.zeros(0, np.int64)
     index = np.zeros(len(cols.files), np.int32)
     index[used] = np.arange(len(used), dtype=np.int32)
     files = [cols.files[f] for f in used.tolist()]

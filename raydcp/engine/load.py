@@ -14,7 +14,7 @@ from ..metadata_format import decode_metadata
 from ..options import DEFAULT_LOAD, LoadOptions
 from ..planner import (LocalLoadPlan, RankLoadPlan, ReadItem, TensorSpec,
                        check_requests, plan_load)
-from ..planner.load import _sources
+from ..planner.load import untiled_sources
 from ..planner.transfer import plan_transfer
 from ..state import FlatState, flatten_state
 from ..state_modules import legacy_optimizer_renames
@@ -71,7 +71,7 @@ def local_load_plan(rank: int, flat: FlatState, strict: bool) -> LocalLoadPlan:
 def _stored_sources(md: Metadata):
     """key -> the stored chunks as columns (a sequence of SourceChunk), not yet checked to tile
     their tensors: the load plan checks that (``plan_load(..., tiles=md.tensors)``)."""
-    return _sources(md)
+    return untiled_sources(md)
 
 
 def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):

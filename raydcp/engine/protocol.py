@@ -38,8 +38,8 @@ from ..errors import CheckpointError, RankFailure, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas
 from ..metadata_format import decode_metadata, encode_metadata
 from ..planner import LocalSavePlan, PackedNames, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
-from ..planner.arrays import _sorted_runs
-from ..planner.types import _digest
+from ..planner.arrays import sorted_runs
+from ..planner.types import digest
 from ..storage import CheckpointStorage
 from ..storage import capacity
 from ..storage._common import is_transient
@@ -93,7 +93,7 @@ class StorageRecord:
             return np.zeros(n, dtype) if a is None else np.asarray(a, dtype)
 
         self.keys = keys if isinstance(keys, PackedNames) else tuple(keys)
-        self.keys_digest = keys_digest if keys_digest is not None else _digest(tuple(self.keys))
+        self.keys_digest = keys_digest if keys_digest is not None else digest(tuple(self.keys))
         self.key, self.ndim, self.file = col(key), col(ndim), col(file)
         self.offsets = np.zeros((n, 1), np.int64) if offsets is None else np.asarray(offsets, np.int64)
         self.sizes = np.ones(self.offsets.shape, np.int64) if sizes is None else np.asarray(sizes, np.int64)
@@ -470,7 +470,7 @@ def tensor_metas(tensors: Mapping[str, TensorSpec], records: Sequence[StorageRec
         raise _wrong_dimensions(keys, ndim, key, row_nd)
     del row_nd
     # stable: by tensor, then offsets (where every rank wrote pieces of the same tensors, no sort)
-    order, sorted_cols = _sorted_runs([key, *(off[:, d] for d in range(width))], len(records))
+    order, sorted_cols = sorted_runs([key, *(off[:, d] for d in range(width))], len(records))
     if n and not (order[1:] - order[:-1] == 1).all():  # not in order already (pieces of several ranks)
         start = np.zeros(n + 1, np.int64)
         np.cumsum(blen, out=start[1:])  # where each row's block checksums start, before sorting

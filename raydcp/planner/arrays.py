@@ -60,7 +60,7 @@ def _order(cols: list[np.ndarray]) -> np.ndarray:
     return np.lexsort(cols[::-1])
 
 
-def _sorted_runs(cols: list[np.ndarray], runs: int) -> tuple[np.ndarray, list[np.ndarray]]:
+def sorted_runs(cols: list[np.ndarray], runs: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """``order = _order(cols)`` and ``[c[order] for c in cols]``, where the rows may come as
     ``runs`` runs of one length that list the same distinct keys (``cols[0]``) in the same order:
     every rank's pieces of every tensor, rank after rank. The order by key is then the runs read

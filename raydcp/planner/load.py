@@ -27,7 +27,7 @@ from .joint_reads import SPLIT_MIN_BYTES, _splits
 from .load_arrays import _names, _plan_load_columns, _shared_columns, _StoredSources  # noqa: F401
 from .types import ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, SourceChunk, StoredChunks, TensorSpec
 
-__all__ = ["plan_load", "check_requests", "stored_sources", "SPLIT_MIN_BYTES"]
+__all__ = ["plan_load", "check_requests", "stored_sources", "untiled_sources", "SPLIT_MIN_BYTES"]
 
 
 def check_requests(
@@ -120,10 +120,10 @@ def stored_sources(md) -> Mapping[str, StoredChunks]:
     the chunks cover, so a gap left by an overlap would keep the destination's old values.
     """
     require_tiling(md.tensors)
-    return _sources(md)
+    return untiled_sources(md)
 
 
-def _sources(md) -> Mapping[str, StoredChunks]:
+def untiled_sources(md) -> Mapping[str, StoredChunks]:
     """:func:`stored_sources` without the tiling check."""
     if isinstance(getattr(md.tensors, "columns", None), ChunkColumns):
         return _StoredSources(md.tensors)

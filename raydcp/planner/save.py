@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError, StateMismatchError
-from .arrays import _dim_range, _rank_sums, _sorted_runs, _stack_items
+from .arrays import _dim_range, _rank_sums, sorted_runs, _stack_items
 from .boxes import numel
 from .tiling import piece_problems
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
@@ -209,7 +209,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         at = rows * width + key_dim[g1]
         s1, z1 = np.take(off.reshape(-1), at), np.take(size.reshape(-1), at)
         del at
-    order, (g1, s1, z1) = _sorted_runs([g1, s1, z1], world if all_one and all_live else 1)
+    order, (g1, s1, z1) = sorted_runs([g1, s1, z1], world if all_one and all_live else 1)
     rows = order if all_one and all_live else rows[order]
     del order
     first = np.ones(len(rows), bool)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..lazy import LazySequence as _Lazy
 
-__all__ = [
+__all__ = ["digest", 
     "TensorSpec", "WriteItem", "LocalSavePlan", "FileSlot", "RankWritePlan", "GlobalSavePlan",
     "ReadItem", "LocalLoadPlan", "SourceChunk", "Delivery", "ChunkRead", "RankLoadPlan",
     "ItemColumns", "FileTable", "ReadTable", "StoredChunks", "PackedNames",
@@ -182,7 +182,7 @@ class ItemColumns:
         c.key = np.arange(n, dtype=np.int64) if len(index) == n else \
             np.fromiter(map(index.__getitem__, names), np.int64, n)
         c.keys = tuple(index)
-        c.keys_digest = _digest(c.keys)
+        c.keys_digest = digest(c.keys)
         offs, sizes = list(map(_OFFSETS, items)), list(map(_SIZES, items))
         c.ndim = np.fromiter(map(len, offs), np.int64, n)
         width = max(1, int(c.ndim.max()) if n else 1)
@@ -212,7 +212,7 @@ class ItemColumns:
         except TypeError:
             names = sorted(tensors, key=str)
         specs = list(map(tensors.__getitem__, names))
-        c.signature = _digest((list(map(str, names)), [str(s.dtype) for s in specs],
+        c.signature = digest((list(map(str, names)), [str(s.dtype) for s in specs],
                                [tuple(map(int, s.shape)) for s in specs]))
         return c
 
@@ -221,7 +221,7 @@ _KEY, _OFFSETS, _SIZES = attrgetter("key"), attrgetter("offsets"), attrgetter("s
 _NBYTES, _CHECKSUM = attrgetter("nbytes"), attrgetter("checksum")
 
 
-def _digest(obj) -> bytes:
+def digest(obj) -> bytes:
     return hashlib.blake2b(repr(obj).encode(), digest_size=16).digest()
 
 

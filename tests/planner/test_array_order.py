@@ -1,4 +1,4 @@
-"""``_sorted_runs``: the order by (key, columns...) of rows that come rank after rank, without a
+"""``sorted_runs``: the order by (key, columns...) of rows that come rank after rank, without a
 sort where every rank lists the same tensors, against the stable sort it stands for."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from raydcp.planner import LocalSavePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
-from raydcp.planner.arrays import _order, _sorted_runs
+from raydcp.planner.arrays import _order, sorted_runs
 from raydcp.planner.save import _plan_columns, _plan_objects
 
 
@@ -30,7 +30,7 @@ def test_the_order_of_runs_is_the_stable_sort(kind, seed):
     rng = np.random.default_rng(seed)
     runs, keys = int(rng.integers(1, 9)), int(rng.integers(1, 12))
     cols = _runs(rng, runs, keys, kind)
-    order, got = _sorted_runs(cols, runs)
+    order, got = sorted_runs(cols, runs)
     expected = _order(cols)
     assert np.array_equal(order, expected)
     for c, g in zip(cols, got):

@@ -12,7 +12,7 @@ import raydcp.planner.load_arrays as load_arrays
 from raydcp.metadata import ChunkMeta, Metadata, TensorMeta
 from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import LocalLoadPlan, ReadItem, TensorSpec, plan_load
-from raydcp.planner.load import _sources
+from raydcp.planner.load import untiled_sources
 
 from .test_planner_columns import _flatten
 
@@ -78,9 +78,9 @@ def test_the_arithmetic_search_plans_what_the_binary_search_does(even, seed, mon
         return found
 
     monkeypatch.setattr(load_arrays, "_even_search", spy)
-    got = plan_load(_sources(md), loads, {}, itemsizes, tiles=md.tensors)
+    got = plan_load(untiled_sources(md), loads, {}, itemsizes, tiles=md.tensors)
     monkeypatch.setattr(load_arrays, "_even_search", lambda *args: None)
-    expected = plan_load(_sources(md), loads, {}, itemsizes, tiles=md.tensors)
+    expected = plan_load(untiled_sources(md), loads, {}, itemsizes, tiles=md.tensors)
     assert _flatten(got) == _flatten(expected)
     if even:
         assert used == [True]  # torch.chunk's shards are always even

@@ -17,7 +17,7 @@ from raydcp.metadata import ChunkMeta, Metadata, TensorMeta
 from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import LocalLoadPlan, ReadItem, TensorSpec, plan_load
 from raydcp.planner.boxes import numel
-from raydcp.planner.load import _sources
+from raydcp.planner.load import untiled_sources
 from raydcp.planner.tiling import tiling_problems
 
 from .test_planner_columns import ISZ, _along_one_dim, _damage, _tiling
@@ -68,15 +68,15 @@ def test_the_load_refuses_exactly_the_untiled_checkpoints_and_names_them(seed):
     itemsizes = {k: ISZ[s.dtype] for k, s in tensors.items()}
     if problems:
         with pytest.raises(CheckpointError, match="do not cover the tensor exactly once") as info:
-            plan_load(_sources(md), loads, {}, itemsizes, tiles=md.tensors)
+            plan_load(untiled_sources(md), loads, {}, itemsizes, tiles=md.tensors)
         for key in problems:
             assert key in str(info.value)
         # asking for nothing still refuses it
         with pytest.raises(CheckpointError, match="do not cover the tensor exactly once"):
-            plan_load(_sources(md), [LocalLoadPlan(0, tensors, (), ())], {}, itemsizes, tiles=md.tensors)
+            plan_load(untiled_sources(md), [LocalLoadPlan(0, tensors, (), ())], {}, itemsizes, tiles=md.tensors)
     else:
-        got = plan_load(_sources(md), loads, {}, itemsizes, tiles=md.tensors)
-        assert got == plan_load(_sources(md), loads, {}, itemsizes)
+        got = plan_load(untiled_sources(md), loads, {}, itemsizes, tiles=md.tensors)
+        assert got == plan_load(untiled_sources(md), loads, {}, itemsizes)
 
 
 def test_a_gap_in_one_of_many_row_sharded_tensors_is_named():
@@ -94,5 +94,5 @@ def test_a_gap_in_one_of_many_row_sharded_tensors_is_named():
     loads = [LocalLoadPlan(0, tensors, (ReadItem("w0", (0, 0), (64, 8)),), ())]
     with pytest.raises(CheckpointError, match=r"w118.*do not cover the tensor exactly once|"
                                               r"do not cover the tensor exactly once.*w118") as info:
-        plan_load(_sources(md), loads, {}, {k: 4 for k in tensors}, tiles=md.tensors)
+        plan_load(untiled_sources(md), loads, {}, {k: 4 for k in tensors}, tiles=md.tensors)
     assert "w117" not in str(info.value) and "w119" not in str(info.value)

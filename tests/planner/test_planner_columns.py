@@ -17,7 +17,7 @@ from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import (LocalLoadPlan, LocalSavePlan, ReadItem, SavePlanOptions, SourceChunk, TensorSpec,
                             WriteItem, plan_load, plan_save, stored_sources)
 from raydcp.planner.boxes import numel
-from raydcp.planner.load import _plan_load_columns, _plan_load_objects, _sources
+from raydcp.planner.load import _plan_load_columns, _plan_load_objects, untiled_sources
 from raydcp.planner.save import _plan_columns, _plan_objects
 from raydcp.planner.tiling import piece_problems
 
@@ -210,15 +210,15 @@ def test_load_array_path_agrees_with_the_box_by_box_path(seed):
                     items.append(ReadItem(k, off, size))
         loads.append(LocalLoadPlan(r, tensors, tuple(items), ()))
     itemsizes = {k: ISZ[s.dtype] for k, s in tensors.items()}
-    as_objects = {k: list(v) for k, v in _sources(md).items()}
+    as_objects = {k: list(v) for k, v in untiled_sources(md).items()}
     try:
         expected = _flatten(_plan_load_objects(as_objects, loads, {}, itemsizes))
     except CheckpointError as e:
         with pytest.raises(CheckpointError, match="do not cover the tensor exactly"):
-            plan_load(_sources(md), loads, {}, itemsizes)
+            plan_load(untiled_sources(md), loads, {}, itemsizes)
         assert "do not cover" in str(e)
         return
-    for sources in (_sources(md), as_objects):
+    for sources in (untiled_sources(md), as_objects):
         got = _plan_load_columns(sources, loads, {}, itemsizes)
         assert got is not None
         reads, totals = _flatten(got)
