@@ -42,7 +42,7 @@ from ..planner.arrays import sorted_runs
 from ..planner.types import digest
 from ..storage import CheckpointStorage
 from ..storage import capacity
-from ..storage._common import is_transient
+from ..storage import is_transient
 from ..storage.commits import LOG_DIR, begin_save, commit_generation, current_generation, prune, remove_save_files
 from ..transport import Transport
 

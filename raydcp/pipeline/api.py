@@ -12,8 +12,7 @@ from .. import api
 from ..errors import CheckpointError
 from ..metadata import Metadata
 from ..options import LoadOptions, SaveOptions
-from ..storage import CheckpointStorage, list_committed
-from ..storage._common import check_name
+from ..storage import CheckpointStorage, check_name, list_committed
 from .config import PipelineConfig
 from .driver import PipelineDriver
 from .policy import CopyInfo, RetryPolicy, load_order, make_tiers

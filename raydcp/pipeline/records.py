@@ -5,9 +5,7 @@ import logging
 from typing import Sequence
 
 from ..errors import CheckpointError, StorageError
-from ..storage import CheckpointStorage, list_committed
-from ..storage._common import is_local, is_transient
-from ..storage._local import publish_atomically
+from ..storage import CheckpointStorage, is_local, is_transient, list_committed, publish_atomically
 from .policy import Tier
 from .status import STATUS_NAME, StatusRecord, decode_status, encode_status, freshest
 

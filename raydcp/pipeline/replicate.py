@@ -31,9 +31,7 @@ from ..codec import checksum
 from ..errors import CheckpointDamagedError, CheckpointError, StorageError
 from ..metadata import Metadata
 from ..metadata_format import decode_metadata
-from ..storage import METADATA_NAME, CheckpointStorage
-from ..storage._common import is_local, is_transient
-from ..storage._local import fsync_dir
+from ..storage import METADATA_NAME, CheckpointStorage, fsync_dir, is_local, is_transient
 from ..storage.commits import raydcp_data_file
 
 __all__ = ["Piece", "Segment", "CopyTask", "plan_segments", "file_pieces", "writer_kind",

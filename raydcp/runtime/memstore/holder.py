@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from ...storage._local import publish_atomically
+from ...storage import publish_atomically
 
 __all__ = ["MemHolder", "FileEntry", "NODE_PLACEHOLDER"]
 

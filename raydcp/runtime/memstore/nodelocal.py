@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...storage._local import write_durably
+from ...storage import write_durably
 from . import placement
 from .filesystem import RayMemFileSystem
 from .holder import NODE_PLACEHOLDER
