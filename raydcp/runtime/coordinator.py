@@ -182,6 +182,17 @@ class Coordinator:
             return True
         return False
 
+    def active_ranks(self) -> set[int]:
+        """The ranks in the operation now: they made a call and have not closed (none once it ended)."""
+        if self._finished or self._failed is not None:
+            return set()
+        return self._seen - self._closed.keys()
+
+    def fail(self, err: CheckpointError) -> None:
+        """Fail the operation from outside (its host found that it cannot complete, or must not):
+        every waiting rank, and every later call, gets ``err``."""
+        self._fail(err)
+
     async def status(self) -> dict:
         """A snapshot for tests and debugging."""
         return {

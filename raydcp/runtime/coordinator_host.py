@@ -11,18 +11,37 @@ Protocol, as the host sees it (the rank's side is :mod:`raydcp.runtime.ray_trans
 1. Every call names its operation by ``(owner, group name, number)``: the group's name and the
    rank-side number of the operation (:mod:`raydcp.runtime.groups`), and the *owner* whose state
    holds it (the group's own name, or the ShardGroup whose operations run under names of their
-   own, so that ``release(owner)`` drops them together).
-2. The first call of an operation makes its coordinator. A rank's first call must be its call 1
+   own, so that ``release(owner)`` drops them together); and its *caller*
+   (:class:`raydcp.runtime.groups.Caller`), the process that numbered it.
+2. A Group name belongs to one *incarnation* of its ranks at a time: the processes that run its
+   ranks. A rank's first call binds the rank to its caller in the current incarnation; an
+   operation number means an operation of that incarnation. A call for a bound rank from
+   another process is a restart or a second caller:
+
+   - if a running operation of the incarnation has ranks (made a call, not closed) whose
+     processes live, it is a second caller: refused, and the running operations fail on every
+     rank (two callers of one rank are never mixed). Whether a process lives the host learns
+     from Ray: waiting on an object the process owns fails once it is gone;
+   - else (every rank of the incarnation finished its operations, or its process is gone) the
+     rank restarted: a new incarnation begins with it, the earlier one's running operations fail,
+     and the ranks of the earlier one that call again are refused. A rank that never took part
+     in the new incarnation joins it on its first call (a Group of another ``world_size`` is a
+     new incarnation too). So a worker group restarted with the same code and Group name (every
+     rank a new process) saves and loads again, from operation 0.
+   - where only some ranks restarted, the first old rank to call and the new incarnation's
+     running operations fail at once, saying so: a Group's ranks restart together.
+3. The first call of an operation makes its coordinator. A rank's first call must be its call 1
    (the Coordinator checks): a later one means the host that saw its earlier calls died, and the
    operation fails on every rank with a ``CoordinatorLostError`` rather than waiting.
-3. When an operation ends (every rank closed it, or it failed), its coordinator is dropped at once
+4. When an operation ends (every rank closed it, or it failed), its coordinator is dropped at once
    and a record of how it ended is kept for the operation's ``timeout_s``: a rank that comes late
    to a failed operation gets the failure at once, and a second caller for a rank of a completed
    one is refused instead of starting it again.
-4. Bounded state: at most :attr:`CoordinatorHost.max_records` records per owner, the oldest
-   forgotten first; an owner's state is dropped once it has no operation and no record left (or
-   by ``release``); of owners without a running operation at most
-   :attr:`CoordinatorHost.max_idle_owners` are kept, least recently used dropped first.
+5. Bounded state: at most :attr:`CoordinatorHost.max_records` records per owner, the oldest
+   forgotten first; a group's incarnations are forgotten with its last operation and record, and
+   an owner's state once it has no operation and no record left (or by ``release``); of owners
+   without a running operation at most :attr:`CoordinatorHost.max_idle_owners` are kept, least
+   recently used dropped first.
 
 Concurrency: an asyncio actor. A waiting rank is an awaiting coroutine, and every reduction
 (decoding the ranks' plans, planning, encoding the replies) runs in a worker thread, so a stalled
@@ -30,6 +49,7 @@ rank or a long planning of one group never holds up another group's calls.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -38,10 +58,13 @@ from typing import Any, Callable, NamedTuple
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure, raise_failures
 from ..transport import decode, encode
 from .coordinator import Coordinator, planning_pages
+from .groups import Caller
 
 __all__ = ["CoordinatorHost", "OpKey"]
 
 OpKey = tuple  # (owner, group name, operation number)
+
+_UNNAMED = Caller(None)  # the caller of calls that name none (tests, tools): one process for all of them
 
 
 class _Ended(NamedTuple):
@@ -50,23 +73,51 @@ class _Ended(NamedTuple):
     until: float  # monotonic time until which the record is kept
 
 
-class _Owner:
-    """The state of one owner in the host: its running operations and the records of ended ones."""
+class _Lineage:
+    """One group's incarnations in the host: which process runs each rank now (module doc, step 2)."""
 
-    __slots__ = ("ops", "ended", "released")
+    __slots__ = ("gen", "world_size", "callers", "retired", "gone")
 
     def __init__(self) -> None:
-        self.ops: dict[tuple[str, int], _HostedCoordinator] = {}
-        self.ended: OrderedDict[tuple[str, int], _Ended] = OrderedDict()
+        self.gen = 0  # the current incarnation's number; its operations are (group, gen, number)
+        self.world_size: int | None = None
+        self.callers: dict[int, Caller] = {}  # rank -> its caller in the current incarnation
+        self.retired: OrderedDict[str, int] = OrderedDict()  # caller id of an earlier incarnation -> its gen
+        self.gone: set[str] = set()  # callers of the current incarnation whose process is gone
+
+
+class _Owner:
+    """The state of one owner in the host: its running operations, the records of ended ones, and
+    the incarnations of its groups."""
+
+    __slots__ = ("ops", "ended", "released", "lineages")
+
+    def __init__(self) -> None:
+        self.ops: dict[tuple[str, int, int], _HostedCoordinator] = {}  # (group, gen, number) -> coordinator
+        self.ended: OrderedDict[tuple[str, int, int], _Ended] = OrderedDict()
         self.released = False  # release() came while operations ran: drop the state with the last one
+        self.lineages: dict[str, _Lineage] = {}
+
+    def running(self, group: str, gen: int) -> list["_HostedCoordinator"]:
+        return [c for (g, n, _), c in self.ops.items() if g == group and n == gen]
+
+    def gen_of(self, group: str, rank: int, caller_id) -> int | None:
+        """The incarnation ``caller_id``'s calls for ``rank`` belong to (None: none)."""
+        lin = self.lineages.get(group)
+        if lin is None:
+            return None
+        bound = lin.callers.get(rank)
+        if bound is not None and bound.id == caller_id:
+            return lin.gen
+        return lin.retired.get(caller_id)
 
 
 class _HostedCoordinator(Coordinator):
     """A Coordinator whose end drops it from its host."""
 
-    def __init__(self, host: "CoordinatorHost", owner: str, *args):
+    def __init__(self, host: "CoordinatorHost", owner: str, gen: int, *args):
         super().__init__(*args)
-        self._host, self._owner = host, owner
+        self._host, self._owner, self.gen = host, owner, gen
         self._executor = host.executor
 
     def _on_end(self) -> None:
@@ -118,6 +169,7 @@ class CoordinatorHost:
 
     max_records = 256  # records of ended operations kept per owner
     max_idle_owners = 4096  # owners without a running operation whose records are kept
+    max_retired = 4096  # callers of a group's earlier incarnations remembered (to refuse them)
     sweep_every_s = 1.0  # how often expired records are looked for
     reduction_threads = 32  # reductions of this many operations run at once (more wait for a thread)
 
@@ -132,9 +184,11 @@ class CoordinatorHost:
         self._last_sweep = clock()
 
     # -- the ranks' calls -----------------------------------------------------------------------
-    async def reduce_scatter(self, key: OpKey, timeout_s, rank, world_size, seq, step, local, reduce_fn):
-        """``local`` and the reply travel as ``raydcp.transport.Wire`` where the rank could encode them."""
-        coord, ended = self._coordinator(key, world_size, timeout_s, rank, step)
+    async def reduce_scatter(self, key: OpKey, timeout_s, rank, world_size, seq, step, local, reduce_fn,
+                             caller: Caller | None = None):
+        """``local`` and the reply travel as ``raydcp.transport.Wire`` where the rank could encode them.
+        ``caller``: the process that numbered the operation (None: one unnamed process)."""
+        coord, ended = await self._coordinator(key, world_size, timeout_s, rank, step, caller)
         if coord is None:
             return ended
         _, value = await coord.reduce_scatter(rank, world_size, seq, step, local, self._reduction(step, reduce_fn))
@@ -144,16 +198,20 @@ class CoordinatorHost:
         """What a worker thread runs once the round is complete (a subclass may wrap it, e.g. to profile it)."""
         return _OnWire(step, reduce_fn)
 
-    async def exchange(self, key: OpKey, timeout_s, rank, world_size, seq, step, outgoing):
-        coord, ended = self._coordinator(key, world_size, timeout_s, rank, step)
+    async def exchange(self, key: OpKey, timeout_s, rank, world_size, seq, step, outgoing,
+                       caller: Caller | None = None):
+        coord, ended = await self._coordinator(key, world_size, timeout_s, rank, step, caller)
         if coord is None:
             return ended
         _, value = await coord.exchange(rank, world_size, seq, step, outgoing)
         return value
 
-    async def close(self, key: OpKey, rank: int) -> bool:
+    async def close(self, key: OpKey, rank: int, caller: Caller | None = None) -> bool:
         owner = self.owners.get(key[0])
-        coord = None if owner is None else owner.ops.get(tuple(key[1:]))
+        if owner is None:
+            return False
+        gen = owner.gen_of(key[1], rank, (caller or _UNNAMED).id)
+        coord = None if gen is None else owner.ops.get((key[1], gen, key[2]))
         return False if coord is None else await coord.close(rank)
 
     # -- for prepare(), release, tests and tools ------------------------------------------------
@@ -178,56 +236,192 @@ class CoordinatorHost:
         if key is None:
             return {"owners": len(self.owners), "live": self._live,
                     "records": sum(len(s.ended) for s in self.owners.values()),
-                    "ops": sorted((o, *k) for o, s in self.owners.items() for k in s.ops)}
+                    "ops": sorted((o, g, n) for o, s in self.owners.items() for g, _, n in s.ops)}
         state = self.owners.get(key[0])
-        op = tuple(key[1:])
         if state is None:
             return None
+        lin = state.lineages.get(key[1])
+        op = (key[1], 0 if lin is None else lin.gen, key[2])  # the current incarnation's
         coord = state.ops.get(op)
         if coord is not None:
             return await coord.status()
         rec = state.ended.get(op)
         if rec is None:
             return None
-        return {"group": op[0], "op": op[1], "ended": True, "failed": None if rec.error is None else str(rec.error)}
+        return {"group": op[0], "op": op[2], "ended": True, "failed": None if rec.error is None else str(rec.error)}
 
     async def owner_status(self, owner: str) -> dict | None:
         """One owner's state: its running operations and records (None once released)."""
         state = self.owners.get(owner)
         if state is None:
             return None
-        return {"ops": sorted(state.ops), "records": len(state.ended), "released": state.released}
+        return {"ops": sorted((g, n) for g, _, n in state.ops), "records": len(state.ended), "released": state.released}
+
+    async def incarnation(self, owner: str, group: str) -> dict | None:
+        """A group's current incarnation: its number and the ranks bound to it (None: unknown group)."""
+        state = self.owners.get(owner)
+        lin = None if state is None else state.lineages.get(group)
+        if lin is None:
+            return None
+        return {"gen": lin.gen, "ranks": sorted(lin.callers), "retired": len(lin.retired)}
 
     # -- operations -----------------------------------------------------------------------------
-    def _coordinator(self, key: OpKey, world_size: int, timeout_s: float, rank: int, step: str):
-        """``(coordinator, None)`` of a running or new operation, or ``(None, error)`` of one that ended."""
+    async def _coordinator(self, key: OpKey, world_size: int, timeout_s: float, rank: int, step: str,
+                           caller: Caller | None):
+        """``(coordinator, None)`` of a running or new operation, or ``(None, error)`` of one that ended
+        or that this caller may not take part in (module doc, step 2)."""
         owner_name, group_name, number = key
-        op = (group_name, number)
-        state = self.owners.get(owner_name)
-        if state is None:
-            if len(self.owners) >= self.max_idle_owners + self._live:
-                self._sweep()
-            state = self.owners[owner_name] = _Owner()
-        else:
-            self.owners.move_to_end(owner_name)
+        caller = caller or _UNNAMED
+        alive: set = set()  # callers found alive during this call
+        while True:
+            state = self.owners.get(owner_name)
+            if state is None:
+                if len(self.owners) >= self.max_idle_owners + self._live:
+                    self._sweep()
+                state = self.owners[owner_name] = _Owner()
+            else:
+                self.owners.move_to_end(owner_name)
+            lin = state.lineages.get(group_name)
+            if lin is None:
+                lin = state.lineages[group_name] = _Lineage()
+            placed = self._place(state, lin, group_name, rank, world_size, caller, number, step)
+            if isinstance(placed, CheckpointError):
+                return None, placed
+            if isinstance(placed, list):  # whether these callers' processes live decides
+                unknown = [c for c in placed if c.id not in alive]
+                if not unknown:
+                    return None, self._second_caller(state, lin, group_name, rank, number, step, placed)
+                for c, gone in zip(unknown, await self._gone(unknown, timeout_s)):
+                    (lin.gone.add if gone else alive.add)(c.id)
+                continue  # the state may have changed meanwhile: place the call again
+            if self.owners.get(owner_name) is not state or state.lineages.get(group_name) is not lin:
+                continue  # failing operations on the way dropped the state: place the call again
+            op = (group_name, placed, number)
             coord = state.ops.get(op)
             if coord is not None:
                 return coord, None
             ended = self._ended(state, op, rank, step)
             if ended is not None:
                 return None, ended
-        coord = state.ops[op] = _HostedCoordinator(self, owner_name, group_name, number, world_size, timeout_s)
-        self._live += 1
-        return coord, None
+            coord = state.ops[op] = _HostedCoordinator(self, owner_name, placed, group_name, number, world_size,
+                                                       timeout_s)
+            self._live += 1
+            return coord, None
 
-    def _ended(self, state: _Owner, op: tuple[str, int], rank: int, step: str) -> CheckpointError | None:
+    # -- incarnations (module doc, step 2) ------------------------------------------------------
+    def _place(self, state: _Owner, lin: _Lineage, group: str, rank: int, world_size: int, caller: Caller,
+               number: int, step: str):
+        """The incarnation (its gen) the call belongs to; or an error for the caller; or the callers
+        whose processes must be found gone (or alive) before the call can be placed."""
+        bound = lin.callers.get(rank)
+        if bound is not None and bound.id == caller.id:
+            if bound.alive is None and caller.alive is not None:
+                lin.callers[rank] = caller
+            return lin.gen
+        if caller.id in lin.retired:
+            return self._superseded(state, lin, group, rank, number, step)
+        if bound is None and lin.world_size in (None, world_size):  # the incarnation's first caller of the rank
+            lin.callers[rank] = caller
+            lin.world_size = world_size
+            return lin.gen
+        # the rank from another process: a restart, or a second caller of the rank
+        busy = {}
+        for coord in state.running(group, lin.gen):
+            for r in coord.active_ranks():
+                c = lin.callers.get(r)
+                if c is not None and c.id not in lin.gone:
+                    busy[c.id] = c
+        if busy:
+            return list(busy.values())
+        self._new_incarnation(state, lin, group, rank, world_size, caller)
+        return lin.gen
+
+    def _new_incarnation(self, state: _Owner, lin: _Lineage, group: str, rank: int, world_size: int,
+                         caller: Caller) -> None:
+        """``caller`` restarted ``rank``: every rank of the current incarnation finished, or its process
+        is gone. Its running operations (of gone ranks) fail; its callers are refused from now on."""
+        old = lin.gen
+        for c in lin.callers.values():
+            lin.retired[c.id] = old
+            lin.retired.move_to_end(c.id)
+        while len(lin.retired) > self.max_retired:
+            lin.retired.popitem(last=False)
+        lin.gen, lin.world_size, lin.callers = old + 1, world_size, {rank: caller}
+        lin.gone = set()
+        for coord in state.running(group, old):
+            coord.fail(CoordinatorLostError(
+                f"operation {coord.op} of group '{group}' cannot complete: the processes of its ranks "
+                f"{sorted(coord.active_ranks())} are gone and rank {rank} restarted in a new process, which "
+                "begins a new incarnation of the group (its operations count from 0 again)"))
+
+    def _superseded(self, state: _Owner, lin: _Lineage, group: str, rank: int, number: int,
+                    step: str) -> CheckpointError:
+        """A caller of an earlier incarnation calls again."""
+        if rank in lin.callers:  # a new process runs the rank now
+            return CheckpointError(
+                f"{step}: rank {rank} of group '{group}' (operation {number}) runs in another process now: the "
+                f"group's ranks restarted in new processes after this one last took part, so this process "
+                f"can no longer take part in the group; end it (the new processes do its work), or give it a "
+                f"Group name of its own")
+        new = sorted(lin.callers)
+        err = CheckpointError(
+            f"group '{group}': rank {rank} still runs in a live process of the group's earlier incarnation "
+            f"(it called its operation {number}) while ranks {new} restarted in new processes: only some of "
+            f"the group's ranks restarted, and a Group's ranks restart together; end every process of the "
+            f"earlier ranks and start all {lin.world_size} anew (or give the new ones a Group name of their "
+            f"own)")
+        for coord in state.running(group, lin.gen):
+            coord.fail(err)
+        return CheckpointError(f"{step}: {err}")
+
+    def _second_caller(self, state: _Owner, lin: _Lineage, group: str, rank: int, number: int, step: str,
+                       live: list[Caller]) -> CheckpointError:
+        """A new process for ``rank`` while ranks of a running operation live (``live``): refused, and
+        the running operations fail on every rank (the two callers are never mixed)."""
+        live_ids = {c.id for c in live}
+        running = state.running(group, lin.gen)
+        ops = sorted(c.op for c in running) or ["(ended meanwhile)"]
+        ranks = sorted(r for coord in running for r in coord.active_ranks()
+                       if lin.callers.get(r) is not None and lin.callers[r].id in live_ids)
+        why = ("two callers for one rank: two jobs use one Group name (give each its own), or only some "
+               "of the group's ranks restarted (a Group's ranks restart together: end every earlier "
+               "process before the new ones save or load)")
+        for coord in running:
+            coord.fail(CheckpointError(
+                f"group '{group}' (operation {coord.op}): rank {rank} arrived from another process (its "
+                f"operation {number}) while this operation ran with ranks {ranks} in live processes; {why}; "
+                f"the operation fails on every rank", {rank: "a second caller"}))
+        return CheckpointError(
+            f"{step}: rank {rank} of group '{group}' (operation {number} of this process) is refused: the "
+            f"group's operation {', '.join(map(str, ops))} runs with ranks {ranks} in live processes of "
+            f"another incarnation; {why}; that operation fails on every rank", {rank: "a second caller"})
+
+    async def _gone(self, callers: list[Caller], timeout_s: float) -> list[bool]:
+        """Whether each caller's process is gone: waiting on an object it owns fails once it is (a live
+        one answers at once; one that does not answer within ``timeout_s`` counts as alive)."""
+        async def gone(caller: Caller) -> bool:
+            if caller.alive is None:  # nothing to tell by: taken as alive
+                return False
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(caller.alive)), timeout_s)
+            except asyncio.TimeoutError:
+                return False
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # e.g. Ray's OwnerDiedError
+                return True
+            return False
+
+        return list(await asyncio.gather(*(gone(c) for c in callers)))
+
+    def _ended(self, state: _Owner, op: tuple[str, int, int], rank: int, step: str) -> CheckpointError | None:
         rec = state.ended.get(op)
         if rec is None:
             return None
         if self._now() > rec.until:
             del state.ended[op]
             return None
-        name, number = op
+        name, _, number = op
         if rec.error is None:
             return CheckpointError(
                 f"{step}: operation {number} of group '{name}' already completed, with another caller for "
@@ -242,7 +436,7 @@ class CoordinatorHost:
     def _drop(self, owner_name: str, coord: _HostedCoordinator) -> None:
         """An operation ended: drop its coordinator, keep a record of how."""
         state = self.owners.get(owner_name)
-        op = (coord.group_name, coord.op)
+        op = (coord.group_name, coord.gen, coord.op)
         if state is None or state.ops.get(op) is not coord:
             return
         del state.ops[op]
@@ -267,6 +461,11 @@ class CoordinatorHost:
         for name, state in list(self.owners.items()):
             for op in [op for op, rec in state.ended.items() if rec.until < now]:
                 del state.ended[op]
+            if state.lineages:  # a group's incarnations go with its last operation and record
+                used = {op[0] for op in state.ops}
+                used.update(op[0] for op in state.ended)
+                for group in [g for g in state.lineages if g not in used]:
+                    del state.lineages[group]
             if state.ops:
                 continue
             if state.ended:

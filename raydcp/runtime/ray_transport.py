@@ -10,7 +10,10 @@ data plane through Ray's object store:
    host (:func:`raydcp.runtime.actors.coordinator_host`: looked up once per
    process, started if none runs); the host makes operation ``op``'s coordinator
    on its first call, so a new group costs no actor start. Every call of the
-   operation goes to that one host.
+   operation goes to that one host, with the operation's caller (the process that
+   numbered it; the first call also carries the object by which the host can tell
+   whether that process lives): the host tells a group's restarted ranks from a
+   second caller by it (:mod:`raydcp.runtime.coordinator_host`, step 2).
 2. ``reduce_scatter``: the rank sends its value to the coordinator and blocks on
    the reply; the coordinator bounds the wait by ``group.timeout_s``. Values and
    replies travel as ``raydcp.transport.Wire`` (plans as their columns; one
@@ -48,7 +51,7 @@ from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..transport import Transport, _unwrap, decode, encode, run_reduce
 from . import actors
-from .groups import next_operation
+from .groups import Operation, next_operation, this_caller
 
 __all__ = ["RayTransport", "open_transport"]
 
@@ -83,15 +86,18 @@ def open_transport(group: Group, *, host: str | None = None) -> "RayTransport":
 class RayTransport(Transport):
     """The transport of operation ``op`` of a :class:`raydcp.Group` whose ranks run on Ray.
 
+    ``op``: the operation's number in this process, or an :class:`~raydcp.runtime.groups.Operation`
+    that another process numbered (a rank's persister runs the rank's async saves).
     ``host``: the owner of the operation's state in the coordinator host, where it is not the
     group itself: a ShardGroup runs each operation under a fresh group name and releases all
     of them, by its own name, when it shuts down.
     """
 
-    def __init__(self, group: Group, op: int, *, host: str | None = None):
+    def __init__(self, group: Group, op: int | Operation, *, host: str | None = None):
+        number, caller = op if isinstance(op, Operation) else (op, this_caller(ray_group=group.world_size > 1))
         self.group = group
-        self.op = op
-        self._key = (host or group.name, group.name, op)
+        self.op = number
+        self._key = (host or group.name, group.name, number)
         self.rank = group.rank
         self.world_size = group.world_size
         self._timeout_s = float(group.timeout_s)
@@ -101,6 +107,9 @@ class RayTransport(Transport):
         self._coord = None
         if self.world_size > 1:
             self._coord = actors.coordinator_host()
+            if caller.alive is None and caller.id == this_caller(ray_group=False).id:
+                caller = this_caller()  # numbered here before Ray was connected
+        self._caller, self._named = caller, caller.named()
 
     @property
     def coordinator_name(self) -> str:
@@ -194,7 +203,7 @@ class RayTransport(Transport):
             return
         coord, self._coord = self._coord, None
         try:
-            coord.close.remote(self._key, self.rank)  # no wait for the answer: a round trip per operation
+            coord.close.remote(self._key, self.rank, self._named)  # no wait for the answer: a round trip per operation
         except Exception:  # unreachable: nothing to release
             pass
 
@@ -235,12 +244,13 @@ class RayTransport(Transport):
     def _submit(self, step: str, method: str, value, args) -> ray.ObjectRef:
         remote = getattr(self._coord, method).remote
         head = (self._key, self._timeout_s, self.rank, self.world_size, self._seq, step)
+        caller = self._caller if self._seq == 1 else self._named  # the host binds the rank on its first call
         try:
-            return remote(*head, value, *args)
+            return remote(*head, value, *args, caller=caller)
         except Exception as exc:  # the value could not be serialized: still take part, as a failure
             failure = RankFailure(self.rank, f"could not send its value to the coordinator: {type(exc).__name__}: {exc}")
             extra = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
-            return remote(*head, failure, *extra)
+            return remote(*head, failure, *extra, caller=caller)
 
     def _host_died(self, step: str, exc: BaseException) -> CoordinatorLostError:
         cause = str(exc).strip().splitlines()
