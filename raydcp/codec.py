@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "DTYPES", "dtype_name", "dtype_from_name", "itemsize", "tensor_bytes", "tensor_from_bytes",
+    "DTYPES",  # noqa: F822 (made by the module's __getattr__, with torch, on first use)
+    "dtype_name", "dtype_from_name", "itemsize", "tensor_bytes", "tensor_from_bytes",
     "checksum", "block_checksums", "checksums", "crc32c_combine", "combine_block_checksums",
     "COMPRESSIONS", "check_compression", "compress", "decompress",
     "encode_value", "decode_value", "is_plain_value",

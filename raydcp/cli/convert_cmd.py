@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     budget = convert.parse_size(args.memory_budget)
     fmt = args.to or f"raydcp (from {args.from_})"
     t0 = time.perf_counter()
-    with progress_bar(f"convert to {args.to or 'raydcp'}", enabled=not args.no_progress) as progress:
+    with progress_bar(f"convert to {args.to or 'raydcp'}", enabled=not (args.no_progress or args.quiet)) as progress:
         common = dict(storage_options=opts, overwrite=args.overwrite, progress=progress)
         if args.from_ == "torch-dcp":
             if not select.identity:
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         stdout().print(safe(
             f"converted {result.src} -> {result.dst} ({fmt}): {result.tensors} tensors "
             f"({human_bytes(result.nbytes)}), {result.values} plain values{dropped} in {seconds:.2f} s"))
-    if result.skipped:
+    if result.skipped and not args.quiet:  # entries left out of the conversion (--json lists them too)
         err = stderr()
         for key, why in sorted(result.skipped.items()):
             err.print(safe(f"raydcp convert: skipped {key}: {why}"))

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     escape = safe
-    with progress_bar("diff", enabled=not args.no_progress and not args.json) as progress:
+    with progress_bar("diff", enabled=not (args.no_progress or args.json or args.quiet)) as progress:
         result = _diff(args, progress)
     status = EXIT_OK if result["identical"] else EXIT_FOUND
     if args.json:

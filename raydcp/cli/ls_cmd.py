@@ -53,7 +53,8 @@ def saved_step(values: dict[str, Any]) -> tuple[int | None, str | None]:
     of a TrainState (``train.progress.step``; the shortest such key where there are several)."""
     if _int(values.get("step")) is not None:
         return values["step"], "step"
-    keys = sorted((k for k in values if k == "progress.step" or k.endswith(".progress.step")), key=lambda k: (len(k), k))
+    keys = sorted((k for k in values if k == "progress.step" or k.endswith(".progress.step")),
+                  key=lambda k: (len(k), k))
     for key in keys:
         if _int(values[key]) is not None:
             return values[key], key

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     src_opts, dst_opts = storage_options_from_args(args)
     escape = safe
-    with progress_bar("reshard", enabled=not args.no_progress) as progress:
+    with progress_bar("reshard", enabled=not (args.no_progress or args.quiet)) as progress:
         say = None if args.quiet else (lambda msg: progress.log(f"raydcp reshard: {msg}"))  # above the bar
         result = reshard(args.src, args.dst, options, src_storage_options=src_opts, dst_storage_options=dst_opts,
                          overwrite=args.overwrite, timeout_s=args.timeout, progress=progress, log=say)

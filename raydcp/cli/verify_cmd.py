@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         # no raydcp checkpoint there at all (a wrong path, another format): an error, exit 2; data
         # files without their metadata are a damaged checkpoint, reported below (exit 1)
         storage.read_metadata_bytes()
-    with progress_bar("verify", enabled=not args.no_progress and not args.json) as progress:
+    with progress_bar("verify", enabled=not (args.no_progress or args.json or args.quiet)) as progress:
         report = verify_checkpoint(args.path, opts, progress=progress)
     escape = safe
     status = EXIT_OK if report.ok else EXIT_FOUND
