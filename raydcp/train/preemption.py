@@ -37,7 +37,8 @@ def save_on_preemption(state_dict: Any, metrics: dict | None = None, *,
     has registered it (``wait_registered``). The reported metrics carry
     ``raydcp.emergency`` = {deadline_ms, preempted_ranks, seconds_left} where
     ``seconds_left`` is the time to the deadline when the save started;
-    a save that ends past the deadline is logged as a warning.
+    a save that ends past the deadline is logged as a warning. With ``memory=True``
+    the emergency checkpoint is persisted whatever its step (``persist=True``).
     """
     if get_info is None:
         import ray.train
@@ -54,6 +55,7 @@ def save_on_preemption(state_dict: Any, metrics: dict | None = None, *,
     ranks = sorted({r for rs in (getattr(info, "preempted_node_to_ranks", {}) or {}).values() for r in rs})
     left = None if info.deadline_ms is None else info.deadline_ms / 1000.0 - time.time()
     save_kwargs.setdefault("wait_registered", True)  # registered before anything else can go wrong
+    save_kwargs.setdefault("persist", True)  # with memory=True too: in storage before the node goes
     save(state_dict, metrics, _emergency={"deadline_ms": info.deadline_ms, "preempted_ranks": ranks,
                                           "seconds_left": left}, **save_kwargs)
     if info.deadline_ms is not None and time.time() * 1000.0 > info.deadline_ms:

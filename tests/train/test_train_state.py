@@ -156,7 +156,10 @@ def test_save_on_preemption_saves_once_per_announced_event(monkeypatch):
     later = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n2": [0]})
     assert raydcp.train.save_on_preemption({}, None, get_info=lambda: later)
     (m1, kw1), (_, kw2) = calls
-    assert m1 == {"loss": 1.0} and kw1["wait_registered"] is True
+    assert m1 == {"loss": 1.0} and kw1["wait_registered"] is True and kw1["persist"] is True
+    assert raydcp.train.save_on_preemption({}, None, get_info=lambda: PreemptionInfo(
+        deadline_ms=1, preempted_node_to_ranks={"n3": [1]}), memory=True, persist=False)  # the caller decides
+    assert calls.pop()[1]["persist"] is False
     assert kw1["_emergency"]["preempted_ranks"] == [2, 3] and kw1["_emergency"]["seconds_left"] > 0
     assert kw2["_emergency"] == {"deadline_ms": None, "preempted_ranks": [0], "seconds_left": None}
 
