@@ -138,9 +138,9 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
         from .memory import should_persist
 
         persist_now = should_persist(step, persist_every, persist)  # checked before anything is written
-    elif persist is False:
-        raise CheckpointError("raydcp.train.save(persist=False) keeps a checkpoint in memory only: "
-                              "it needs memory=True")
+    elif persist is not None and persist is not True:
+        raise CheckpointError(f"raydcp.train.save(persist={persist!r}) without memory=True: every checkpoint goes to "
+                              "storage; persist=False (keep it in the cluster's memory only) needs memory=True")
     proposal = None
     if rank == 0:
         proposal = (checkpoint_dir_name(step, new_nonce()), proposed_group_name(ctx, timeout_s))

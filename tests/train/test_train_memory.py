@@ -34,6 +34,20 @@ def test_persist_every_counts_the_runs_steps_and_persist_decides_alone():
         should_persist(4, 2, persist="yes")
 
 
+def test_save_refuses_a_persist_choice_it_cannot_honour_before_writing_anything(monkeypatch):
+    from raydcp.train import checkpoint
+
+    ctx = SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 1, get_storage=lambda: None)
+    monkeypatch.setattr(checkpoint, "_context", lambda api: ctx)  # a worker; nothing past the checks is reached
+    with pytest.raises(raydcp.CheckpointError, match=r"persist=False \(keep it in the cluster's memory only\) needs "
+                                                     r"memory=True"):
+        raydcp.train.save({}, persist=False)
+    with pytest.raises(raydcp.CheckpointError, match="persist='yes'"):
+        raydcp.train.save({}, persist="yes")
+    with pytest.raises(raydcp.CheckpointError, match="has no step"):
+        raydcp.train.save({}, memory=True, persist_every=2)
+
+
 def test_the_callback_records_a_checkpoint_held_in_memory_only(tmp_path):
     from ray.train.v2._internal.execution.storage import StorageContext
 
