@@ -21,6 +21,9 @@ class Group:
     A Group is a value: it holds no state. The Ray runtime numbers the operations of
     each group per process (by name and rank), so every operation of a group gets its
     own coordinator as long as all ranks perform the same operations in the same order.
+    A name belongs to one live set of processes at a time: ranks restarted in new processes
+    (the old ones gone or finished) reuse it from their first operation; a second live caller
+    for a rank of a running operation is refused.
     """
 
     name: str
