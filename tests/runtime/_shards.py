@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from raydcp.errors import CheckpointError
 from raydcp.group import Group
 from raydcp.runtime.layouts import take_piece
 from raydcp.runtime.ray_transport import RayTransport
@@ -129,7 +130,8 @@ class FaultyShardActor(ShardActor):
     """A ShardActor told to misbehave before one step of its next operation.
 
     modes: "absent" -- stay away until the others gave up on this rank (then carry on);
-           "hang" -- block until killed.
+           "hang" -- block until killed;
+           "raise" -- raise a CheckpointError there.
     """
 
     def __init__(self, rank, world_size):
@@ -139,7 +141,7 @@ class FaultyShardActor(ShardActor):
         self._never = threading.Event()
 
     def inject(self, step: str, mode: str) -> None:
-        assert mode in ("absent", "hang")
+        assert mode in ("absent", "hang", "raise")
         self._fault = (step, mode)
         self._reached.clear()
 
@@ -153,6 +155,8 @@ class FaultyShardActor(ShardActor):
             self._reached.set()
             if mode == "hang":
                 self._never.wait()
+            elif mode == "raise":
+                raise CheckpointError(f"a failure injected at {step}")
             else:
                 transport.wait_until_failed(within_s=120)
 

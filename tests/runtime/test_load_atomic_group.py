@@ -55,3 +55,19 @@ def test_rank_missing_at_the_last_step_leaves_every_rank_as_it_was(ray_session, 
     with pytest.raises(CheckpointError, match=r"rank.*1"):
         group.load(other)
     assert_holds(ray_session, group, full, "dim1")
+
+
+def test_failed_reshard_leaves_the_group_it_started_from_as_it_was(ray_session, group, src, full):
+    """A kept actor fails to receive its new pieces: the reshard fails, and this group still
+    holds its state and reshards again."""
+    group.load(src, layout="dim0")
+    ray_session.get(group.actors[0].inject.remote("reshard: receive", "raise"))
+    with pytest.raises(CheckpointError, match="a failure injected at reshard: receive"):
+        group.reshard(2)
+    assert_holds(ray_session, group, full, "dim0")
+    new = group.reshard(2)
+    try:
+        assert_holds(ray_session, new, full, "dim0")
+    finally:
+        new.shutdown()
+    assert_holds(ray_session, group, full, "dim0")
