@@ -1,8 +1,9 @@
 """`raydcp mem ls|rm|usage|stop`: the memory tier from the command line.
 
 In-process (raydcp.cli.main) against the session's Ray instance for the output of each
-subcommand; the installed console script for an unreachable cluster, which must fail within
-`--timeout` with one line naming the address (exit status 2), where Ray alone retries for minutes.
+subcommand; the installed console script connecting to the session's cluster by its address, and
+to an unreachable one, which must fail within `--timeout` with one line naming the address (exit
+status 2), where Ray alone retries for minutes.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_stop_refused_while_checkpoints_are_held(name, capsys):
     assert [r["url"] for r in json.loads(out)["checkpoints"]] == [f"raymem://{name}/a"]  # still held
 
 
-def _unreachable(argv: list[str], ray_address: str | None = None) -> subprocess.CompletedProcess:
+def _script(argv: list[str], ray_address: str | None = None) -> subprocess.CompletedProcess:
     assert os.path.exists(SCRIPT), "raydcp is not installed in this environment (pip install -e .)"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     if ray_address is not None:
@@ -86,8 +87,18 @@ def _unreachable(argv: list[str], ray_address: str | None = None) -> subprocess.
     return subprocess.run([SCRIPT, *argv], capture_output=True, text=True, timeout=240, env=env)
 
 
+def test_the_console_script_connects_to_the_cluster_at_its_address(name):
+    import ray
+
+    raydcp.save({"w": torch.ones(8), "step": 11}, f"raymem://{name}/a")
+    proc = _script(["mem", "ls", name, "--json", "--address", ray.get_runtime_context().gcs_address])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["checkpoints"]
+    assert [(r["url"], r["step"]) for r in rows] == [(f"raymem://{name}/a", 11)]
+
+
 def test_an_address_where_nothing_listens_fails_with_one_line_naming_it():
-    proc = _unreachable(["mem", "ls", "--timeout", "5"], ray_address="127.0.0.1:1")
+    proc = _script(["mem", "ls", "--timeout", "5"], ray_address="127.0.0.1:1")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("raydcp: error: no Ray cluster reachable at 127.0.0.1:1 within 5s")
@@ -111,7 +122,7 @@ def test_an_address_that_accepts_but_is_no_ray_cluster_fails_within_the_timeout(
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     try:
-        proc = _unreachable(["mem", "usage", "--address", f"127.0.0.1:{port}", "--timeout", "3"])
+        proc = _script(["mem", "usage", "--address", f"127.0.0.1:{port}", "--timeout", "3"])
     finally:
         stop.set()
         thread.join()
