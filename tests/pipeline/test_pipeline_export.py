@@ -4,6 +4,7 @@ model as is. Two local tiers, the in-process driver."""
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -82,3 +83,6 @@ def test_export_keys_are_checked_when_the_pipeline_is_made(tmp_path):
         make(export="safetensors", export_keys=["model"])
     with pytest.raises(CheckpointError, match="not a floating dtype"):
         make(export="safetensors", export_keys={"dtype": "int8"})
+    config = make(export="safetensors", export_keys={"drop_optimizer": True, "strip_prefixes": "model"}).config
+    assert config.export_keys == KeySelection(drop_optimizer=True, strip_prefixes=("model",))
+    assert pickle.loads(pickle.dumps(config)).export_keys == config.export_keys  # as it travels to the driver actor
