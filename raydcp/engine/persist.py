@@ -44,7 +44,8 @@ from .background import wait_for_last_save
 from .save import StagedState
 from .staging import StagingArena, staging_mode
 
-__all__ = ["LocalPersister", "HelperProcess", "local_persister", "lower_priority", "PERSIST_NICE_ENV"]
+__all__ = ["LocalPersister", "HelperProcess", "local_persister", "lower_priority", "PERSIST_NICE_ENV",
+           "add_helper_environment"]
 
 
 def lower_priority(step: int = 19) -> int:
@@ -60,6 +61,19 @@ def lower_priority(step: int = 19) -> int:
         return os.nice(0)
 
 
+# Variables a helper process gets in its environment beside this process's own: providers that
+# the layers above register (the Ray runtime names the cluster this process is connected to, so
+# a helper's raymem:// writes reach it), asked when a helper starts. This process's own
+# environment is left as it is.
+_HELPER_ENV: list[Callable[[], dict[str, str]]] = []
+
+
+def add_helper_environment(provider: Callable[[], dict[str, str]]) -> None:
+    """Register ``provider``: the variables it returns are set in each helper process started later."""
+    if provider not in _HELPER_ENV:
+        _HELPER_ENV.append(provider)
+
+
 class HelperProcess:
     """One helper process per training process, started on first use and reused."""
 
@@ -71,21 +85,32 @@ class HelperProcess:
         self._pending: dict[int, cf.Future] = {}
         self._ids = itertools.count()
         self._reader: int | None = None  # the helper pid named by allow_reader
+        self._extra: dict[str, str] = {}  # what the helper's environment got from _HELPER_ENV
 
     def _ensure(self) -> None:
+        extra: dict[str, str] = {}
+        for provider in list(_HELPER_ENV):
+            extra.update(provider())
         if self._proc is not None and self._proc.poll() is None:
-            return
+            if extra == self._extra or self._pending:
+                return
+            # this process reaches another cluster now (a new Ray session): an idle helper of the old one retires
+            self._conn.close()
+            self._proc.wait(timeout=30)
+        self._extra = extra
+        self._pending = {}  # this helper's jobs: a retired helper's watcher fails only its own
+        env = {**os.environ, **extra}
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "raydcp.engine.persist_worker", str(to_child_r), str(to_parent_w), str(self.nice)],
-            pass_fds=(to_child_r, to_parent_w), close_fds=True,
+            pass_fds=(to_child_r, to_parent_w), close_fds=True, env=env,
         )
         os.close(to_child_r)
         os.close(to_parent_w)
         self._conn = Connection(to_child_w, readable=False)
         reader = Connection(to_parent_r, writable=False)
-        threading.Thread(target=self._watch, args=(self._proc, reader), daemon=True,
+        threading.Thread(target=self._watch, args=(self._proc, reader, self._pending), daemon=True,
                          name="raydcp-persist-watch").start()
 
     @property
@@ -108,14 +133,14 @@ class HelperProcess:
                 fut.set_exception(CoordinatorLostError(f"the persisting helper process is gone ({exc}); retry the save"))
         return fut
 
-    def _watch(self, proc: subprocess.Popen, reader: Connection) -> None:
+    def _watch(self, proc: subprocess.Popen, reader: Connection, jobs: dict[int, cf.Future]) -> None:
         while True:
             try:
                 job_id, ok, result = reader.recv()
             except (EOFError, OSError):
                 break
             with self._lock:
-                fut = self._pending.pop(job_id, None)
+                fut = jobs.pop(job_id, None)
             if fut is not None:
                 if ok:
                     fut.set_result(result)
@@ -123,8 +148,9 @@ class HelperProcess:
                     fut.set_exception(result.copy() if isinstance(result, CheckpointError) else CheckpointError(result))
         code = proc.wait()
         with self._lock:
-            pending, self._pending = self._pending, {}
-        for fut in pending.values():
+            pending = list(jobs.values())
+            jobs.clear()
+        for fut in pending:
             fut.set_exception(CoordinatorLostError(
                 f"the process persisting the checkpoint died (exit status {code}) before it reported the commit: "
                 f"the save either committed whole (the process died just after) or not at all, leaving the "

@@ -14,7 +14,9 @@ and the placement options, and finds (or starts) the cluster's coordinator host:
 2. :func:`prepare_host` starts it ahead of the first operation (``Group.prepare``,
    ``ShardGroup``), without waiting.
 3. :func:`forget_host` drops a handle whose actor died (the transport calls it), so
-   that the next operation gets, or starts, a live host.
+   that the next operation gets, or starts, a live host. A handle belongs to the Ray session
+   that made it: after ``ray.shutdown()`` and ``ray.init()`` in this process the host is looked
+   up by name again (:func:`raydcp.runtime.connection.session`).
 4. :func:`release_owner` drops an owner's state in the host (a ShardGroup that shut down).
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from . import connection
 from .coordinator_host import CoordinatorHost
 
 NAMESPACE = "raydcp"
@@ -39,6 +42,7 @@ _MAX_CALLS = 100_000
 
 _lock = threading.Lock()
 _HOST = None  # this process's handle of the host
+_HOST_SESSION = None  # the Ray session _HOST was made in
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,11 +80,14 @@ _HostRemote = ray.remote(CoordinatorHost)
 
 def coordinator_host():
     """This process's handle of the cluster's coordinator host, which the first caller creates."""
-    global _HOST
+    global _HOST, _HOST_SESSION
+    now = connection.session()
     handle = _HOST
-    if handle is not None:
+    if handle is not None and _HOST_SESSION == now:
         return handle
     with _lock:
+        if _HOST_SESSION != now:
+            _HOST, _HOST_SESSION = None, now
         if _HOST is None:
             try:
                 _HOST = ray.get_actor(host_name(), namespace=NAMESPACE)
@@ -128,7 +135,7 @@ def stop_hosts(*, every_version: bool = False) -> list[str]:
 
 def release_owner(owner: str) -> None:
     """Drop the state ``owner`` (a ShardGroup's name) holds in the host, without waiting."""
-    handle = _HOST
+    handle = _HOST if _HOST_SESSION == connection.session() else None
     if handle is None:
         try:
             handle = ray.get_actor(host_name(), namespace=NAMESPACE)

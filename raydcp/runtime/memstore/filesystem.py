@@ -108,7 +108,7 @@ class RayMemFileSystem(AbstractFileSystem):
         return f"raymem://{path}"
 
     def _connect(self, path: str) -> None:
-        placement.ensure_ray(self._url(path))
+        placement.ensure_ray(self._url(path), self.timeout_s)
 
     def _holders(self, nodes: list[str]) -> dict[str, Any]:
         """The holders to ask about ``nodes``' files: those that run (copies die with their holder)."""
@@ -205,7 +205,7 @@ class RayMemFileSystem(AbstractFileSystem):
     # the optional capacity protocol of raydcp.storage.capacity (raydcp.runtime.memstore.capacity)
     def writer_site(self) -> tuple[str, int | None]:
         """This process's node and the byte cap it sees: where its writes land (first copy)."""
-        placement.ensure_ray("raymem://")
+        placement.ensure_ray("raymem://", self.timeout_s)
         return placement.local_node(), self.node_cap_bytes
 
     def reserve_save(self, path: str, save_id: str, bytes_by_site: dict) -> None:
@@ -528,5 +528,5 @@ class RayMemFileSystem(AbstractFileSystem):
 
     def usage(self) -> dict[str, dict]:
         """``{node: {"held": bytes, "reserved": bytes, "files": n}}`` of every alive holder."""
-        placement.ensure_ray("raymem://")
+        placement.ensure_ray("raymem://", self.timeout_s)
         return self._call_all("usage")

@@ -10,49 +10,53 @@ the copies spread evenly.
 """
 from __future__ import annotations
 
-import logging
-import os
 import threading
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...errors import CheckpointError
+from .. import connection
 from .holder import MemHolder
 
 __all__ = ["NAMESPACE", "ensure_ray", "local_node", "alive_nodes", "holder", "existing_holders",
            "ring_targets"]
 
 NAMESPACE = "raydcp-memstore"
-_ADDRESS_ENV = "RAY_ADDRESS"
 
 _RemoteHolder = ray.remote(MemHolder)
+# Handles by (kind, node), of one Ray session: a handle made before a reconnect (ray.shutdown()
+# and ray.init() in this process) is stale, and the holders are found again by name.
 _handles: dict[tuple[str, str], object] = {}
+_handles_session: tuple | None = None
 # holders of the memory tier ("mem") and of node-local disk tiers ("disk"): one of each per node
 _PREFIX = {"mem": "holder", "disk": "disk-holder"}
 _lock = threading.Lock()
 
 
-def ensure_ray(url: str) -> None:
-    """Connect this process to the Ray cluster (``RAY_ADDRESS`` or the running local one).
+def ensure_ray(url: str, timeout_s: float = 300.0) -> None:
+    """Connect this process to the Ray cluster (``RAY_ADDRESS`` or the running local one) if it is
+    not connected; an address that does not answer fails within ``timeout_s``
+    (:func:`raydcp.runtime.connection.connect`, which changes no process-wide setting)."""
+    connection.connect(url, timeout_s)
 
-    Once connected, ``RAY_ADDRESS`` is set for this process's children (when unset), so a helper
-    process that writes for it (an async save's persister) reaches the same cluster."""
-    if ray.is_initialized():
-        if _ADDRESS_ENV not in os.environ:
-            try:
-                os.environ[_ADDRESS_ENV] = ray.get_runtime_context().gcs_address
-            except Exception:
-                pass
-        return
-    try:
-        ray.init(address=os.environ.get(_ADDRESS_ENV, "auto"), log_to_driver=False,
-                 logging_level=logging.ERROR)
-    except Exception as exc:
-        raise CheckpointError(
-            f"{url}: raymem:// checkpoints live in a Ray cluster's memory, and no cluster is reachable "
-            f"from this process ({type(exc).__name__}: {exc}); run where the cluster is (a Ray job, a "
-            "Ray worker, or a machine with `ray start` running), or set RAY_ADDRESS") from exc
+
+def _cached(key: tuple[str, str]):
+    """The cached handle of ``key`` made in this Ray session (the cache is dropped on a new one)."""
+    global _handles_session
+    now = connection.session()
+    with _lock:
+        if now != _handles_session:
+            _handles.clear()
+            _handles_session = now
+        return _handles.get(key)
+
+
+def _remember(key: tuple[str, str], handle) -> None:
+    now = connection.session()
+    with _lock:
+        if now == _handles_session:
+            _handles[key] = handle
 
 
 def local_node() -> str:
@@ -66,8 +70,7 @@ def alive_nodes() -> list[str]:
 
 def holder(node_id: str, kind: str = "mem"):
     """The holder of ``node_id`` (of tier ``kind``), started there if it does not run yet."""
-    with _lock:
-        handle = _handles.get((kind, node_id))
+    handle = _cached((kind, node_id))
     if handle is not None:
         return handle
     handle = _RemoteHolder.options(
@@ -75,8 +78,7 @@ def holder(node_id: str, kind: str = "mem"):
         num_cpus=0, max_concurrency=32, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(node_id, kind)
-    with _lock:
-        _handles[kind, node_id] = handle
+    _remember((kind, node_id), handle)
     return handle
 
 
@@ -84,15 +86,13 @@ def existing_holders(nodes: list[str], kind: str = "mem") -> dict[str, object]:
     """``{node: holder}`` of the given nodes that already run a holder of ``kind`` (none is started)."""
     out = {}
     for node in nodes:
-        with _lock:
-            handle = _handles.get((kind, node))
+        handle = _cached((kind, node))
         if handle is None:
             try:
                 handle = ray.get_actor(f"{_PREFIX[kind]}-{node}", namespace=NAMESPACE)
             except ValueError:
                 continue
-            with _lock:
-                _handles[kind, node] = handle
+            _remember((kind, node), handle)
         out[node] = handle
     return out
 
