@@ -7,6 +7,7 @@ without ``keep_last`` and a user's files stay.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -83,3 +84,38 @@ def test_memory_keep_last_counts_only_saves_with_keep_last(ray_session, later_ke
     assert _committed(f"raymem://{name}/run/a") == (later_keep_last == 0)
     kept = [c.name for c in list_committed(f"raymem://{name}/run")]
     assert sorted(kept) == (["a", "d"] if later_keep_last == 0 else ["d"])
+
+
+def test_node_local_copy_whose_data_links_to_the_original_keeps_it_whole(ray_session, tmp_path):
+    node = ray_session.get_runtime_context().get_node_id()
+    disk = tmp_path / node
+    original, copy = f"raynode://{tmp_path}/{{node}}/original", f"raynode://{tmp_path}/{{node}}/copy"
+    _save(original, 1)
+    (disk / "copy").mkdir()
+    os.symlink(disk / "original" / "data", disk / "copy" / "data")
+    shutil.copyfile(disk / "original" / "raydcp.meta", disk / "copy" / "raydcp.meta")
+    assert _step(copy) == 1  # the copy reads the original's files through its link
+
+    _save(copy, 2)  # replaces the copy's checkpoint: the files it reaches through the link stay
+
+    assert _step(copy) == 2
+    assert _step(original) == 1
+
+
+def test_a_disk_holder_never_removes_what_it_found_through_a_linked_data_dir(tmp_path):
+    from raydcp.runtime.memstore.holder import MemHolder
+
+    sid = "g0-0123456789ab"
+    original = tmp_path / "original" / "data" / sid
+    original.mkdir(parents=True)
+    (original / "r00000-f000.bin").write_bytes(b"the original's bytes")
+    (tmp_path / "copy").mkdir()
+    os.symlink(tmp_path / "original" / "data", tmp_path / "copy" / "data")
+    holder = MemHolder("node-a", kind="disk")  # a plain class: no actor needed
+    name = f"{tmp_path}/copy/data/{sid}/r00000-f000.bin"
+
+    assert list(holder.listing(f"{tmp_path}/copy/data/{sid}")) == [name]  # found and readable
+    assert holder.read_ranges(name, [4], [12])[0].tobytes() == b"original"
+    holder.remove([name])
+
+    assert (original / "r00000-f000.bin").read_bytes() == b"the original's bytes"

@@ -36,7 +36,9 @@ that a holder restarted on a live node (its process killed, or lost to an OOM) d
 them, it finds them again on the disk: the first time it is asked about a path (a listing, a
 size, a read), it walks the directory of that path on its disk once and indexes every file there
 (never a temporary file of an atomic publish), with the size on disk and the creation time that
-the write recorded as the file's modification time.
+the write recorded as the file's modification time. Files it finds in a checkpoint's ``data/`` (or
+``data/<save id>/``) that is a symbolic link are another checkpoint's: listed and read, never
+removed from the disk (``os.walk`` follows no link below the directory it walks).
 """
 from __future__ import annotations
 
@@ -45,18 +47,34 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
-from ...storage import publish_atomically
+from ...storage import METADATA_NAME, publish_atomically
+from .incarnations import Incarnation
 
 __all__ = ["MemHolder", "FileEntry", "NODE_PLACEHOLDER"]
 
 NODE_PLACEHOLDER = "{node}"  # in a node-local tier's path: the id of the node that holds the file
+_GONE_KEPT = 65536  # removal reasons kept per holder (the newest)
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{16}$")  # publish_atomically's file before its rename
+
+
+def _through_linked_data(local: str) -> bool:
+    """True if the local directory ``local`` lies in a checkpoint's ``data/`` or ``data/<save id>/``
+    that is a symbolic link (a copy of a checkpoint sharing the original's data): the files there
+    are the original's. ``os.walk`` follows no link below its root; this guards the root itself."""
+    path = local.rstrip("/")
+    while path and path != "/":
+        parent, name = os.path.split(path)
+        if (name == "data" or os.path.basename(parent) == "data") and os.path.islink(path):
+            return True
+        path = parent
+    return False
 
 
 @dataclass
@@ -68,6 +86,7 @@ class FileEntry:
     placement: dict | None = None  # metadata only: {file path: nodes} of the files it names
     local_path: str | None = None  # node-local disk tier: the bytes are in this file on the node (ref is None)
     token: str | None = None       # an exclusive creation's own mark (:meth:`MemHolder.create`)
+    linked: bool = False           # found on the disk through a linked data/: readable, never removed from disk
 
 
 class MemHolder:
@@ -82,6 +101,11 @@ class MemHolder:
         self._reserved: dict[str, int] = {}  # per file being written (a token): its bytes
         self._saves: dict[str, list[int]] = {}  # per save ("<dir>/data/<save id>"): [bytes left, reserved at]
         self._lock = threading.Lock()
+        self.started_ns = time.time_ns()
+        # why files went, for a reader that finds one gone: {path: (reason, when)}, the newest kept
+        self._gone: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        # memory tier: the node's record of the checkpoints held, and of those a predecessor lost
+        self._incarnation = Incarnation(node_id) if kind == "mem" else None
 
     # ----------------------------------------------------------------- accounting
 
@@ -170,6 +194,9 @@ class MemHolder:
         own = ray.put(np.frombuffer(data, dtype=np.uint8))
         with self._lock:
             self._files[path] = FileEntry(own, len(data), created_ns, tuple(nodes), placement)
+            self._gone.pop(path, None)
+            if self._incarnation is not None and path.rsplit("/", 1)[-1] == METADATA_NAME:
+                self._incarnation.committed(path.rsplit("/", 1)[0] if "/" in path else "", created_ns)
         return self.node_id
 
     def register(self, path: str, local_path: str, size: int, created_ns: int, nodes: tuple) -> str:
@@ -226,16 +253,28 @@ class MemHolder:
             entry = self._files.get(meta_path)
             return None if entry is None or not entry.placement else entry.placement.get(path)
 
-    def remove(self, paths: list[str], prefixes: list[str] = ()) -> int:
+    def remove(self, paths: list[str], prefixes: list[str] = (), reason: str | None = None) -> int:
         """Drop ``paths`` and every file under each of ``prefixes`` (ending in "/"); the bytes
-        freed. The objects go when their last reader drops them."""
+        freed. The objects go when their last reader drops them. ``reason`` (why they go, e.g.
+        a retention's release) is kept for a reader that finds one of them gone (:meth:`gone`)."""
         with self._lock:
             gone = [p for p in paths if p in self._files]
             if prefixes:
                 gone += [p for p in self._files if any(p.startswith(x) for x in prefixes)]
-            entries = [self._files.pop(p) for p in set(gone)]
+            gone = set(gone)
+            entries = [self._files.pop(p) for p in gone]
+            now = time.time_ns()
+            for p in gone:
+                self._gone.pop(p, None)
+                if reason is not None:
+                    self._gone[p] = (reason, now)
+            while len(self._gone) > _GONE_KEPT:
+                self._gone.popitem(last=False)
+            metas = [p.rsplit("/", 1)[0] if "/" in p else "" for p in gone if p.rsplit("/", 1)[-1] == METADATA_NAME]
+            if metas and self._incarnation is not None:
+                self._incarnation.released(metas)
         for e in entries:
-            if e.local_path is not None:
+            if e.local_path is not None and not e.linked:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(e.local_path)
         return sum(e.size for e in entries)
@@ -277,6 +316,21 @@ class MemHolder:
     def ping(self) -> tuple[str, float]:
         return self.node_id, time.time()
 
+    # ----------------------------------------------------------------- why a file is gone
+
+    def gone(self, paths: list[str]) -> dict[str, tuple[str, int]]:
+        """``{path: (reason, when)}`` of the paths removed here with a reason (:meth:`remove`)."""
+        with self._lock:
+            return {p: self._gone[p] for p in paths if p in self._gone}
+
+    def lost(self, path: str) -> dict:
+        """What this node lost under ``path`` with an earlier holder of its own (killed or crashed):
+        ``{"node", "started_ns" (this holder's start), "dirs": {checkpoint directory: (commit
+        time, when found lost)}}``; empty ``dirs`` where nothing was."""
+        with self._lock:
+            dirs = self._incarnation.lost_under(path) if self._incarnation is not None else {}
+        return {"node": self.node_id, "started_ns": self.started_ns, "dirs": dirs}
+
     # ----------------------------------------------------------------- a disk tier's files, found again
 
     def _discover(self, path: str) -> None:
@@ -294,6 +348,7 @@ class MemHolder:
                 return  # the parent of every node's directory: not this node's to claim
         if not root or root == "/" or template.replace(NODE_PLACEHOLDER, self.node_id) != root:
             return
+        linked = _through_linked_data(root)  # another checkpoint's files: listed and read, never removed
         with self._lock:
             if any(root == d or root.startswith(d + "/") for d in self._walked):
                 return
@@ -308,7 +363,8 @@ class MemHolder:
                 except OSError:
                     continue  # removed meanwhile
                 rel = os.path.relpath(full, root).replace(os.sep, "/")
-                found[f"{template}/{rel}"] = FileEntry(None, st.st_size, st.st_mtime_ns, (self.node_id,), None, full)
+                found[f"{template}/{rel}"] = FileEntry(None, st.st_size, st.st_mtime_ns, (self.node_id,), None, full,
+                                                       linked=linked)
         with self._lock:
             self._walked.add(root)
             for p, entry in found.items():
