@@ -17,18 +17,20 @@ list without tensors is one plain value.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple
 
+import numpy as np
 import torch
 
 from .codec import DTYPES, dtype_name, is_plain_value
 from .errors import CheckpointError, user_code
 from .state_modules import ModuleLeaves
 
-__all__ = ["Shard", "TensorLeaf", "FlatState", "flatten_state"]
+__all__ = ["Shard", "TensorLeaf", "FlatState", "UndoCopy", "flatten_state"]
 
 
 class Shard:
@@ -71,6 +73,45 @@ class TensorLeaf(NamedTuple):
     replicable: bool  # a whole tensor or a replicated DTensor piece: other ranks may hold the same
 
 
+class UndoCopy:
+    """Host copies of tensors' contents (:meth:`FlatState.undo_copy`): those of host-contiguous
+    tensors packed in one buffer (one allocation and one memmove each, so that a hundred
+    thousand small tensors cost a fraction of a second), others (CUDA, strided views) one
+    host tensor each. ``nbytes``: the host memory it holds."""
+
+    __slots__ = ("_buf", "_dense", "_other", "nbytes")
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        dense: list[tuple[torch.Tensor, int, int]] = []
+        other: list[tuple[torch.Tensor, torch.Tensor]] = []
+        total = 0
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "ComplexHalf support is experimental")  # torch's, for complex32
+            for t in tensors:
+                if t.is_cpu and t.is_contiguous():
+                    n = t.nbytes
+                    if n:
+                        dense.append((t, total, n))
+                        total += n
+                elif t.numel():
+                    other.append((t, torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t.detach())))
+        self._buf = np.empty(total, np.uint8)
+        base, memmove = self._buf.ctypes.data, ctypes.memmove
+        for t, at, n in dense:
+            memmove(base + at, t.data_ptr(), n)
+        self._dense, self._other = dense, other
+        self.nbytes = total + sum(saved.nbytes for _, saved in other)
+
+    def restore(self) -> None:
+        """Copy the saved contents back into the tensors."""
+        base, memmove = self._buf.ctypes.data, ctypes.memmove
+        for t, at, n in self._dense:
+            memmove(t.data_ptr(), base + at, n)
+        with torch.no_grad():
+            for t, saved in self._other:
+                t.detach().copy_(saved)
+
+
 @dataclass
 class FlatState:
     """A state dict flattened (:func:`flatten_state`). For a load it also holds what puts the state
@@ -99,23 +140,17 @@ class FlatState:
             with user_code("a Stateful's load_state_dict()"):
                 fin()
 
-    def undo_copy(self, keys: Iterable[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host copies of the tensors of ``keys`` as they are now: ``(tensor, copy)`` pairs for
-        :meth:`rollback`. A load takes it after planning, before it writes a byte; it costs host
-        memory equal to those tensors' bytes (a CUDA tensor's copy is on the host too)."""
-        out = []
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "ComplexHalf support is experimental")  # torch's, for complex32
-            for key in keys:
-                t = self.tensors[key].tensor
-                if t.numel():
-                    out.append((t, torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t.detach())))
-        return out
+    def undo_copy(self, keys: Iterable[str]) -> "UndoCopy":
+        """A host copy of the tensors of ``keys`` as they are now, for :meth:`rollback`. A load takes
+        it after planning, before it writes a byte; it costs host memory equal to those tensors'
+        bytes (a CUDA tensor's copy is on the host too)."""
+        tensors = self.tensors
+        return UndoCopy([tensors[k].tensor for k in keys])
 
-    def rollback(self, copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def rollback(self, copies: "UndoCopy | None" = None) -> None:
         """Put the state dict back as it was before a load that raised (every step of it, in order):
 
-        1. the tensors of ``copies`` (:meth:`undo_copy`) get their saved contents back;
+        1. the tensors of ``copies`` (:meth:`undo_copy`) get their earlier contents back;
         2. the plain values :meth:`finish_load` replaced get their old values back;
         3. the finalizers it started run again, so that each Stateful object, Module and
            optimizer whose ``load_state_dict`` ran gets its own earlier state back (their state
@@ -124,9 +159,8 @@ class FlatState:
 
         Every step runs even when an earlier one raises; the first error is raised at the end."""
         first: BaseException | None = None
-        with torch.no_grad():
-            for t, saved in copies or ():
-                t.detach().copy_(saved)
+        if copies is not None:
+            copies.restore()
         for fqn in reversed(self._values_set):
             try:
                 self.setters[fqn](self.values[fqn])

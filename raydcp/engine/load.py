@@ -16,7 +16,7 @@ from ..planner import (LocalLoadPlan, RankLoadPlan, ReadItem, TensorSpec,
                        check_requests, plan_load)
 from ..planner.load import untiled_sources
 from ..planner.transfer import plan_transfer
-from ..state import FlatState, flatten_state
+from ..state import FlatState, UndoCopy, flatten_state
 from ..state_modules import legacy_optimizer_renames
 from ..storage import CheckpointStorage
 from ..transport import Transport
@@ -261,7 +261,7 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
         before = None
         if options.atomic:
             def before():
-                copies.extend(_undo_copy(flat, _filled(flat, skipped)))
+                copies.append(_undo_copy(flat, _filled(flat, skipped)))
         storage = CheckpointStorage(checkpoint_id, storage_options)
         try:
             nread, _ = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed), written,
@@ -270,13 +270,13 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
             storage.close()
         _hand_back(transport, flat, dict(plan.values), commit)
     except BaseException as exc:
-        raise _rolled_back(flat, copies, written, transport.rank, exc) from None
+        raise _rolled_back(flat, copies[0] if copies else None, written, transport.rank, exc) from None
     if warn_skipped and transport.rank == 0:
         _warn_skipped(checkpoint_id, group_skipped)
     return LoadStats(nread, plan.bytes_needed, time.perf_counter() - t0, skipped or Skipped())
 
 
-def _undo_copy(flat: FlatState, keys: list[str]) -> list:
+def _undo_copy(flat: FlatState, keys: list[str]) -> UndoCopy:
     """:meth:`FlatState.undo_copy`, a lack of memory for it as a CheckpointError saying what to do."""
     try:
         return flat.undo_copy(keys)
@@ -329,9 +329,9 @@ def transfer_with(transport: Transport, source_state: dict | None, dest_state: d
     try:
         plan = transport.reduce_scatter("transfer: plan", local, plan_transfer)
         reader = LiveChunkReader(lambda key: src_flat.tensors[key].tensor)
-        before = (lambda: copies.extend(_undo_copy(flat, list(flat.tensors)))) if atomic else None
+        before = (lambda: copies.append(_undo_copy(flat, list(flat.tensors)))) if atomic else None
         _execute(transport, plan, flat, reader, written, before)
         _hand_back(transport, flat, dict(plan.values), False, "transfer: hand back")
     except BaseException as exc:
-        raise _rolled_back(flat, copies, written, rank, exc) from None
+        raise _rolled_back(flat, copies[0] if copies else None, written, rank, exc) from None
     return LoadStats(0, plan.bytes_needed, time.perf_counter() - t0)
