@@ -166,7 +166,9 @@ def load(state_dict: dict, checkpoint_id, *, group: Group | None = None, strict:
          storage_options: dict | None = None, options: LoadOptions | None = None) -> LoadStats:
     """Fill the tensors of ``state_dict`` in place (and replace its plain values) from a checkpoint.
 
-    ``options`` (:class:`~raydcp.options.LoadOptions`): the read path's IOOptions."""
+    A load that raises leaves the state dict as it was, on every rank. ``options``
+    (:class:`~raydcp.options.LoadOptions`): the read path's IOOptions, and ``atomic=False`` to
+    load without the undo copy that promise takes (its error then names the keys written)."""
     ckpt = _checkpoint_id(checkpoint_id)
     options = _options(options, LoadOptions, DEFAULT_LOAD)
     transport = resolve_group(group).open_transport()
