@@ -138,17 +138,18 @@ def _warn_skipped(checkpoint_id: str, skipped: Skipped | None) -> None:
 
 
 def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: ChunkReader,
-             written: list[str] | None = None, before: Callable[[], Any] | None = None) -> tuple[int, Any]:
-    """Steps 3-5 of a load: read and deliver, exchange, finish together. Returns (bytes read,
-    what ``before()`` returned: it runs first, a failure of it failing the step like a read's).
-    ``written``: see :class:`~raydcp.engine.reads.Deliverer`."""
+             written: list[str] | None = None, before: Callable[[], None] | None = None) -> int:
+    """Steps 3-5 of a load: read and deliver, exchange, finish together. Returns bytes read.
+    ``before()`` runs first (a failure of it fails the step like a read's); ``written``: see
+    :class:`~raydcp.engine.reads.Deliverer`."""
     rank = transport.rank
     leaves = [flat.tensors[k] for k in sorted(flat.tensors)]
     out = Deliverer(rank, leaves, written)
     failure: Any = None
-    nread, prepared = 0, None
+    nread = 0
     try:
-        prepared = before() if before is not None else None
+        if before is not None:
+            before()
         nread = reader.read_all(plan.reads, out)
     except Exception as exc:  # still take part in the exchange, so no rank waits forever
         failure = RankFailure.from_exception(rank, exc)
@@ -165,7 +166,7 @@ def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: 
     # verifies the checksum blocks that several ranks read in shares (joint reads)
     shares = getattr(reader, "shares", None) or []
     transport.reduce_scatter("load: finish", failure if failure is not None else shares, _all_done)
-    return nread, prepared
+    return nread
 
 
 def _all_done(values: list) -> list:
@@ -264,8 +265,8 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
                 copies.append(_undo_copy(flat, _filled(flat, skipped)))
         storage = CheckpointStorage(checkpoint_id, storage_options)
         try:
-            nread, _ = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed), written,
-                                before)
+            nread = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed), written,
+                             before)
         finally:
             storage.close()
         _hand_back(transport, flat, dict(plan.values), commit)
