@@ -296,11 +296,27 @@ def _one(col: pa.ChunkedArray):
     return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
+def _numpy(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A column's values as numpy: a zero-copy view of the data buffer of an integer or float
+    column without nulls. pyarrow's ``to_numpy`` converts through its pandas layer, which imports
+    pandas (about a second) in every process that reads metadata; other columns still go there."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = _one(arr)
+    t = arr.type
+    if arr.null_count == 0 and (pa.types.is_integer(t) or pa.types.is_floating(t)) and t.bit_width % 8 == 0:
+        kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
+        dtype = np.dtype(f"<{kind}{t.bit_width // 8}")
+        if len(arr) == 0:
+            return np.empty(0, dtype)
+        return np.frombuffer(arr.buffers()[1], dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+    return arr.to_numpy(zero_copy_only=False)
+
+
 def _column(table: pa.Table, name: str, dtype) -> np.ndarray:
     arr = _one(table.column(name))
     if arr.null_count:
         raise CheckpointError(f"column {name!r} has null entries")
-    return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=dtype)
+    return np.asarray(_numpy(arr), dtype=dtype)
 
 
 def _list(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -308,8 +324,8 @@ def _list(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
     arr = _one(table.column(name))
     if arr.null_count or arr.values.null_count:
         raise CheckpointError(f"column {name!r} has null entries")
-    bounds = arr.offsets.to_numpy().astype(np.int64)
-    values = np.asarray(arr.values.to_numpy(zero_copy_only=False), dtype=dtype)
+    bounds = _numpy(arr.offsets).astype(np.int64)
+    values = np.asarray(_numpy(arr.values), dtype=dtype)
     return values[bounds[0]:bounds[-1]] if len(bounds) else values[:0], bounds - (bounds[0] if len(bounds) else 0)
 
 
@@ -430,19 +446,19 @@ def _blocks_wrong(nbytes: np.ndarray, bb: np.ndarray, codec: np.ndarray | None =
 def _decode_rows(table: pa.Table, specs: list, files: list[str], codecs: np.ndarray | None = None
                  ) -> dict[str, TensorMeta]:
     """The general path: one ChunkMeta per row, rows in any order."""
-    tensor_col = table.column("tensor").to_numpy()
+    tensor_col = _numpy(table.column("tensor"))
     offs = _list_column(table.column("offsets"))
     sizes = _list_column(table.column("sizes"))
-    file_col = table.column("file").to_numpy()
-    byte_off = table.column("byte_offset").to_numpy()
-    nbytes = table.column("nbytes").to_numpy()
-    crcs = table.column("checksum").to_numpy()
+    file_col = _numpy(table.column("file"))
+    byte_off = _numpy(table.column("byte_offset"))
+    nbytes = _numpy(table.column("nbytes"))
+    crcs = _numpy(table.column("checksum"))
     blocks = _list_column(table.column("block_checksums"))
     if codecs is not None:
-        positions = table.column("codec").to_numpy()
+        positions = _numpy(table.column("codec"))
         if len(positions) and int(positions.max()) >= len(codecs):
             raise CheckpointError("a chunk names a codec that is not in the header")
-        codec_col, stored_col = codecs[positions].tolist(), table.column("stored_nbytes").to_numpy().tolist()
+        codec_col, stored_col = codecs[positions].tolist(), _numpy(table.column("stored_nbytes")).tolist()
     chunks: list[list[ChunkMeta]] = [[] for _ in specs]
     for i in range(table.num_rows):
         ti, fi = int(tensor_col[i]), int(file_col[i])
@@ -492,8 +508,8 @@ def _chunk_error(name: str, dtype: str, shape: tuple, offsets: tuple, sizes: tup
 
 def _list_column(col: pa.ChunkedArray) -> list[tuple[int, ...]]:
     arr = col.combine_chunks()
-    values = arr.values.to_numpy().tolist()
-    bounds = arr.offsets.to_numpy().tolist()
+    values = _numpy(arr.values).tolist()
+    bounds = _numpy(arr.offsets).tolist()
     return [tuple(values[bounds[i]:bounds[i + 1]]) for i in range(len(arr))]
 
 

@@ -19,8 +19,10 @@ from raydcp.codec import DTYPES, itemsize
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "raydcp")
 
 # Imported by Python at start-up (a directory on PYTHONPATH wins over site-packages): any import
-# of torch in the process fails.
+# of torch in the process fails, and pandas (which pyarrow imports for some conversions, a second
+# of start-up) is reported at exit.
 _BLOCKER = '''
+import atexit
 import sys
 
 class _NoTorch:
@@ -29,6 +31,7 @@ class _NoTorch:
             raise ImportError(f"{name} imported by a command that should not need torch")
 
 sys.meta_path.insert(0, _NoTorch())
+atexit.register(lambda: "pandas" in sys.modules and sys.stderr.write("pandas was imported\\n"))
 '''
 
 
@@ -66,14 +69,14 @@ def test_inspect_verify_ls_diff_need_no_torch(tmp_path):
     md = raydcp.read_metadata(a)
 
     proc = _no_torch(tmp_path, "inspect", a, "--json")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert json.loads(proc.stdout)["save_id"] == md.save_id
 
     proc = _no_torch(tmp_path, "verify", a)
-    assert proc.returncode == 0 and "every checksum matches" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "every checksum matches" in proc.stdout and proc.stderr == "", proc.stderr
 
     proc = _no_torch(tmp_path, "ls", tmp_path, "--json")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     rows = json.loads(proc.stdout)["checkpoints"]
     assert sorted(r["name"] for r in rows) == ["run/a", "run/b"] and {r["step"] for r in rows} == {3}
 
@@ -92,7 +95,7 @@ def test_inspect_verify_ls_diff_need_no_torch(tmp_path):
     assert different["model.b"]["max_abs_diff"] == 1.0 and different["f8"]["max_abs_diff"] == 4.0
 
     proc = _no_torch(tmp_path, "diff", a, b, "--rtol", "0.01", "--json")
-    assert proc.returncode == 0 and json.loads(proc.stdout)["identical"], proc.stderr
+    assert proc.returncode == 0 and json.loads(proc.stdout)["identical"] and proc.stderr == "", proc.stderr
 
     # damage is still found, and named, without torch
     chunk = md.tensors["model.w"].chunks[0]
