@@ -35,8 +35,8 @@ Protocol, as the host sees it (the rank's side is :mod:`raydcp.runtime.ray_trans
    operation fails on every rank with a ``CoordinatorLostError`` rather than waiting.
 4. When an operation ends (every rank closed it, or it failed), its coordinator is dropped at once
    and a record of how it ended is kept for the operation's ``timeout_s``: a rank that comes late
-   to a failed operation gets the failure at once, and a second caller for a rank of a completed
-   one is refused instead of starting it again.
+   to a failed operation gets the failure at once, and a second caller of the same incarnation for a
+   rank of a completed one is refused instead of starting it again.
 5. Bounded state: at most :attr:`CoordinatorHost.max_records` records per owner, the oldest
    forgotten first; a group's incarnations are forgotten with its last operation and record, and
    an owner's state once it has no operation and no record left (or by ``release``); of owners
