@@ -137,3 +137,22 @@ def test_two_live_actors_calling_as_one_rank_of_one_operation_are_refused(ray_se
     assert isinstance(err, raydcp.CheckpointError), err
     assert f"group '{name}' (operation 0): rank 0 arrived from another process" in str(err)
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").rglob("*.meta"))
+
+
+def test_a_partial_restart_fails_at_once_on_both_sides(ray_session, tmp_path):
+    """Only rank 1 is restarted; rank 0's process lives on and saves again: neither side waits for
+    the timeout, and both errors say that a Group's ranks restart together."""
+    name = uname("partial")
+    old = start(name)
+    assert save(old, str(tmp_path / "a"), 1) == [WORLD] * WORLD
+    ray.kill(old[1])
+    new1 = start(name, [1])[0]
+    in_op = waiting_in(new1, name, 0)
+    waiting = new1.save.remote(str(tmp_path / "b"), 2)
+    wait_for(in_op)
+    refused = ray.get(old[0].save.remote(str(tmp_path / "b"), 2), timeout=300)
+    err = ray.get(waiting, timeout=300)
+    for e in (refused, err):
+        assert isinstance(e, raydcp.CheckpointError), e
+        assert f"group '{name}': rank 0 still runs in a live process of the group's earlier incarnation" in str(e)
+        assert "restart together" in str(e)
