@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from . import _local
 from ._common import (
     METADATA_NAME,
@@ -358,6 +358,8 @@ class CheckpointStorage:
 
     def _read_failure(self, name: str, path: str, needed_end: int, cause: BaseException | None) -> CheckpointError:
         """Explain a failed remote read: missing file, truncated file, or an access problem."""
+        if isinstance(cause, CheckpointError):
+            return cause  # the filesystem's own explanation (raymem://: a file released or lost with its holder)
         file_url = self.file_url(name)
         try:
             size = self._size(path)
@@ -470,6 +472,8 @@ class CheckpointStorage:
         """The committed metadata; CheckpointError if the directory holds no committed checkpoint."""
         try:
             return self.read_file(METADATA_NAME)
+        except CheckpointNotFoundError:
+            raise  # the filesystem's own reason (raymem://: released by retention, lost with its holder)
         except CheckpointError:
             if self.is_committed():
                 raise

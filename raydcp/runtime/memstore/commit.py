@@ -28,7 +28,7 @@ from . import placement
 from .capacity import release_after_commit
 from .layout import checkpoint_dir
 
-__all__ = ["publish", "retain", "retention_scope", "checkpoint_dir", "lost_reason", "RETENTION_RECORD"]
+__all__ = ["publish", "retain", "retention_scope", "checkpoint_dir", "RETENTION_RECORD"]
 
 
 def publish(fs, path: str, data: bytes) -> None:
@@ -100,7 +100,7 @@ def retain(fs, meta_path: str, started_ns: int) -> None:
     retained = [d for d in committed if any(n == RETENTION_RECORD for _, n, _ in dirs[d])]
     newest = sorted(retained, key=lambda d: (committed[d], d), reverse=True)
     kept = set(newest[:fs.keep_last]) | {meta_path.rsplit("/", 1)[0]}
-    metas, rest = [], []
+    metas, rest, leftovers = [], [], []
     for d, files in dirs.items():
         own = [(p, n, c) for p, n, c in files if raydcp_file(n)]
         if d in committed:
@@ -108,20 +108,11 @@ def retain(fs, meta_path: str, started_ns: int) -> None:
                 metas += [p for p, n, _ in own if n == METADATA_NAME]
                 rest += [p for p, n, _ in own if n != METADATA_NAME]
         elif own and max(c for _, _, c in own) < started_ns:
-            rest += [p for p, _, _ in own]
-    if metas:
-        fs._call_all("remove", metas)
+            leftovers += [p for p, _, _ in own]
+    why = f"released by keep_last={fs.keep_last} when {fs._url(meta_path.rsplit('/', 1)[0])} committed"
+    if metas:  # the holders keep why, for a load still reading them (raydcp.runtime.memstore.losses)
+        fs._call_all("remove", metas, [], why)
     if rest:
-        fs._call_all("remove", rest)
-
-
-def lost_reason(fs, path: str) -> str | None:
-    """Why a file that a committed checkpoint names has no copy left (the placement its metadata
-    recorded), if one does name it."""
-    meta = f"{checkpoint_dir(path)}/{METADATA_NAME}"
-    for nodes in fs._call_all("placement_of", meta, path).values():
-        if nodes:
-            return (f"{fs._url(path)} has no live copy: the node(s) that held it ({', '.join(nodes)}) left the "
-                    "cluster. Load a checkpoint held elsewhere (a storage tier), or save with more "
-                    "storage_options['replicas']")
-    return None
+        fs._call_all("remove", rest, [], why)
+    if leftovers:
+        fs._call_all("remove", leftovers)

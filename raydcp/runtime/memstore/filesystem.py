@@ -117,7 +117,11 @@ class RayMemFileSystem(AbstractFileSystem):
     def _call_all(self, method: str, *args) -> dict[str, Any]:
         """``{node: result}`` of ``method`` on the holder of every alive node (:meth:`_holders`) that
         answered; a dead one is replaced and asked again where :meth:`_holders` starts one."""
-        holders = self._holders(placement.alive_nodes())
+        return self._ask(self._holders(placement.alive_nodes()), method, *args)
+
+    def _ask(self, holders: dict[str, Any], method: str, *args) -> dict[str, Any]:
+        """``{node: result}`` of ``method`` on ``holders`` (``{node: holder}``) that answered (see
+        :meth:`_call_all`)."""
         refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
         out = {}
         for node, ref in refs.items():
@@ -413,11 +417,14 @@ class RayMemFileSystem(AbstractFileSystem):
                     out[i] = memoryview(arr)
                 break
             else:
-                why = self._lost(path) or f"{self._url(path)}: no copy on the cluster's alive nodes"
-                if error is not None:
-                    why += f" (the holders that had one did not answer: {type(error).__name__})"
+                missing = self._missing(path) if error is None else None
+                if missing is None:
+                    why = f"{self._url(path)}: no copy on the cluster's alive nodes"
+                    if error is not None:
+                        why += f" (the holders that had one did not answer: {type(error).__name__})"
+                    missing = FileNotFoundError(why)
                 for i in idxs:
-                    out[i] = FileNotFoundError(why)
+                    out[i] = missing
 
     def _pull(self, holder, path: str) -> np.ndarray | None:
         """Data file ``path`` pulled whole from ``holder``'s node into this node's object store (one
@@ -432,10 +439,11 @@ class RayMemFileSystem(AbstractFileSystem):
             self._views[path] = arr
         return arr
 
-    def _lost(self, path: str) -> str | None:
-        from .commit import lost_reason
+    def _missing(self, path: str) -> CheckpointError | None:
+        """Why ``path`` has no copy left, where that is known (released, lost: :mod:`.losses`)."""
+        from .losses import missing_error
 
-        return lost_reason(self, path)
+        return missing_error(self, path)
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         return bytes(self.cat_ranges([path], [start], [end], on_error="raise")[0])
@@ -463,9 +471,9 @@ class RayMemFileSystem(AbstractFileSystem):
             return self._info(path, entries[path])
         if not path or any(p.startswith(path + "/") for p in entries):
             return {"name": path, "size": 0, "type": "directory"}
-        lost = self._lost(path) if is_data_file(path) else None
-        if lost:  # not "missing": a committed checkpoint names it, and every node that held it is gone
-            raise CheckpointError(lost)
+        missing = self._missing(path) if is_data_file(path) else None
+        if missing is not None:  # not just "missing": released, or a committed checkpoint's copies lost
+            raise missing
         raise FileNotFoundError(self._url(path))
 
     def ls(self, path, detail=True, **kwargs):

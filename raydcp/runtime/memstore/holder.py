@@ -316,6 +316,10 @@ class MemHolder:
     def ping(self) -> tuple[str, float]:
         return self.node_id, time.time()
 
+    def ping_started(self) -> tuple[str, int]:
+        """This holder's node and when it started (a holder started after a commit holds none of it)."""
+        return self.node_id, self.started_ns
+
     # ----------------------------------------------------------------- why a file is gone
 
     def gone(self, paths: list[str]) -> dict[str, tuple[str, int]]:
