@@ -289,11 +289,15 @@ class CoordinatorHost:
                 return None, placed
             if isinstance(placed, list):  # whether these callers' processes live decides
                 unknown = [c for c in placed if c.id not in alive]
-                if not unknown:
+                if unknown:
+                    for c, gone in zip(unknown, await self._gone(unknown, timeout_s)):
+                        (lin.gone.add if gone else alive.add)(c.id)
+                    continue  # the state may have changed meanwhile: place the call again
+                if rank in lin.callers:
                     return None, self._second_caller(state, lin, group_name, rank, number, step, placed)
-                for c, gone in zip(unknown, await self._gone(unknown, timeout_s)):
-                    (lin.gone.add if gone else alive.add)(c.id)
-                continue  # the state may have changed meanwhile: place the call again
+                # a rank of another world_size beside live ranks: no restart, a misconfigured
+                # rank, which the operation's coordinator names (and fails the operation with)
+                placed = lin.gen
             if self.owners.get(owner_name) is not state or state.lineages.get(group_name) is not lin:
                 continue  # failing operations on the way dropped the state: place the call again
             op = (group_name, placed, number)

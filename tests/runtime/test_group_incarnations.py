@@ -194,3 +194,18 @@ def test_a_groups_incarnations_are_forgotten_with_its_last_record():
         assert await host.incarnation("gone", "gone") is None
 
     run(main())
+
+
+def test_a_rank_of_another_world_size_beside_live_ranks_is_named_as_such():
+    """Not a restart (the group's ranks live, in the operation): a misconfigured rank, which fails the
+    operation on every rank with the coordinator's world_size message."""
+    async def main():
+        host = CoordinatorHost()
+        key = ("sizes", "sizes", 0)
+        waiting = await started(call(host, key, Process("r0"), 0, 2, 1, 0))
+        wrong = await asyncio.wait_for(call(host, key, Process("r1"), 1, 3, 1, 1), GUARD_S)
+        assert await asyncio.wait_for(waiting, GUARD_S) is wrong
+        assert isinstance(wrong, CheckpointError) and "rank 1 uses world_size 3" in str(wrong)
+        assert "has world_size 2" in str(wrong)
+
+    run(main())
