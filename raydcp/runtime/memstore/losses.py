@@ -92,8 +92,7 @@ def _lost_copies(fs, path: str, url: str, directory: str) -> CheckpointError | N
                      "(killed or crashed: a holder's copies go with it)")
     if not parts:
         return None  # every holder that held it still runs: it was removed, not lost
-    return CheckpointDamagedError(f"{url} has no live copy: " + "; ".join(parts) + f". {_NEXT.capitalize()}",
-                                  file=url)
+    return CheckpointDamagedError(f"{url} has no live copy: " + "; ".join(parts) + f"; {_NEXT}", file=url)
 
 
 def _lost_with_holder(fs, directory: str) -> list[tuple[str, int, int]]:
