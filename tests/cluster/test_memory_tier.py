@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import raydcp
-from raydcp.errors import CheckpointError
+from raydcp.errors import CheckpointError, CheckpointNotFoundError
 
 from ._ranks import COLS, ROWS, MemRank, full_state, rows
 
@@ -138,7 +138,8 @@ def test_keep_last_releases_older_checkpoints_only_after_a_commit(cluster):
     savers = _ranks(["n1", "n2"])
     _save(savers, "raymem://kl/a", step=1)
     _save(savers, "raymem://kl/b", step=2)  # keep_last=1: a goes once b committed
-    with pytest.raises(CheckpointError, match="no committed raydcp checkpoint"):
+    # not "not committed": the reader is told it was released (nothing is damaged)
+    with pytest.raises(CheckpointNotFoundError, match="raymem://kl/a was released by keep_last=1 when raymem://kl/b"):
         raydcp.read_metadata("raymem://kl/a")
     assert _fs().find("kl/a") == []
     _assert_exact(_load(savers, "raymem://kl/b"), step=2)
