@@ -152,3 +152,38 @@ def test_stop_refuses_while_checkpoints_are_held_then_stops_and_the_next_save_st
         mem.remove(f"raymem://{name}")
     again = mem.stop()  # nothing left to stop
     assert again.holders == [] and again.hosts == [] and again.dropped == []
+
+
+class _SilentHolder:
+    """Stands for a holder that does not answer (a node under memory pressure, a wedged process)."""
+
+    def __init__(self):
+        import threading
+
+        self._never = threading.Event()
+
+    def _wait(self, *args):
+        self._never.wait()
+
+    ping = usage = listing = reservations = _wait
+
+
+def test_a_holder_that_does_not_answer_is_reported_and_stop_force_stops_it(ray_session):
+    ray = ray_session
+    mem.stop(force=True)  # no holder runs on this node now
+    node = _node()
+    silent = ray.remote(_SilentHolder).options(
+        name=f"holder-{node}", namespace=placement.NAMESPACE, lifetime="detached", num_cpus=0,
+        max_concurrency=8).remote()
+    ray.get(silent.__ray_ready__.remote())
+    assert {r.node: r for r in mem.usage(timeout_s=1)}[node].state == "no answer"  # not "holds nothing"
+    with pytest.raises(raydcp.CheckpointError, match=f"holders on nodes \\['{node}'\\] did not answer"):
+        mem.checkpoints(timeout_s=1)
+    with pytest.raises(raydcp.CheckpointError, match="did not answer.*--force"):
+        mem.stop(timeout_s=1)
+    assert mem.stop(force=True, timeout_s=30).holders == [f"holder-{node}"]
+    _save("raymem://adm-after-silent/a", 1)  # a real holder again
+    try:
+        assert _loads("raymem://adm-after-silent/a", 1)
+    finally:
+        mem.remove("raymem://adm-after-silent")

@@ -426,14 +426,18 @@ def stop(*, force: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> Stoppe
     naming the checkpoints, unless ``force``. Disk holders keep only an index: the files stay on
     the nodes' disks, and a new holder finds them again."""
     connect(timeout_s=timeout_s)
-    deadline = time.monotonic() + timeout_s
     names = [n for n in _named(placement.NAMESPACE) if any(n.startswith(p) for p in _KIND_OF_PREFIX)]
     mem = {n[len("holder-"):] for n in names if n.startswith("holder-")}
     dropped: list[str] = []
     if mem:
-        held = checkpoints(timeout_s=timeout_s)
+        try:
+            held = checkpoints(timeout_s=timeout_s)
+            reserved = _reservations("", timeout_s)
+        except CheckpointError as exc:  # a holder that does not answer: what it holds is unknown
+            if not force:
+                raise exc.copy(f"{exc}; or stop with --force (force=True), which stops them without asking") from None
+            held, reserved = [], {}
         dropped = [r.url for r in held]
-        reserved = _reservations("", timeout_s)
         if (held or reserved) and not force:
             what = ", ".join(f"{r.url} ({'committed' if r.committed_at is not None else 'uncommitted'})"
                              for r in held[:10])
@@ -465,7 +469,7 @@ def stop(*, force: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> Stoppe
             except ValueError:
                 pass
     hosts = actors.stop_hosts(every_version=True)
-    alive = _wait_dead(handles + host_handles, deadline)
+    alive = _wait_dead(handles + host_handles, time.monotonic() + timeout_s)
     if alive:
         raise CheckpointError(f"stopped {len(stopped)} holder(s) and {len(hosts)} coordinator host(s), but "
                               f"{len(alive)} of them still answered after {timeout_s:g}s; run the stop again")
