@@ -14,18 +14,20 @@ Files (relative to the checkpoint directory):
 - ``_raydcp/begun-<save_id>``: written (empty) when a save starts, before any data file: a
   record of the saves in flight, removed once their commit can no longer happen.
 
-What a path owns: the directories ``data/<save_id>/`` of save ids the commit log makes
-(``g<generation>-<12 hex>``) found in its own ``data/`` (never through a symbolic link: a
-checkpoint whose ``data/`` links to another's owns none of it), the directory of a save id a
-replaced metadata names, and in them only the files that follow raydcp's own naming. Cleanup
-reads ``data/`` itself, so it does not depend on the ``begun`` records surviving.
+What a path owns: the directories ``data/<save_id>/`` found in its own ``data/`` (never through
+a symbolic link: a checkpoint whose ``data/`` links to another's owns none of it) that it began
+(a ``begun`` record) or committed (named by one of its generation records, or by the metadata a
+commit replaces), and in them only the files that follow raydcp's own naming. Cleanup lists
+``data/`` and reads the replaced generation's record where a ``begun`` record is gone, so the
+replaced save goes without its record; a crashed save whose record was deleted is not provably
+this path's (a ``data/`` may be shared through a link from another checkpoint) and stays.
 
 A damaged log never wedges a path: names that are not the writer's own (``gen-7.meta``,
 ``gen-x.meta``) are ignored; a forged high generation only moves the count on (the writer's names
 have no upper bound) and is pruned two commits later; a log that lost its generation files is
 rebuilt when the next save begins, from what is committed: the metadata file's bytes become the
-generation that the save ids in ``data/`` show was reached, so no save begun on the lost log can
-commit over a newer one.
+generation this path's evidence shows was reached (:func:`_rebuild`), so no save begun on the
+lost log can commit over a newer one.
 
 Protocol (who calls what):
 
@@ -36,9 +38,9 @@ Protocol (who calls what):
    ``g``, creates ``gen-<g+1>.meta`` exclusively, then publishes the same bytes as the metadata
    file (re-publishing the newest generation if a later commit raced the publish), so the
    metadata file always ends as the newest commit's;
-4. :func:`prune` removes what can no longer be committed or read: the data of every save begun
-   on another generation than the new one (the replaced save, crashed, failed or lost saves), the
-   replaced save's files, older generation files. A failed save removes its own files before it returns
+4. :func:`prune` removes what can no longer be committed or read: the data of this path's saves
+   begun on another generation than the new one (the replaced save, crashed, failed or lost
+   saves), the replaced save's files, older generation files. A failed save removes its own files before it returns
    (:func:`remove_save_files`).
 
 Guarantee per backend: local disks (``O_EXCL``), s3 (conditional put) and raydcp's ``raymem://``
@@ -105,7 +107,7 @@ def current_generation(storage) -> int:
 
 def begun_saves(storage) -> list[str]:
     """The ids of the saves begun at this path whose records remain."""
-    return [m.group(1) for m in map(_BEGUN.match, _log(storage)) if m]
+    return _begun_ids(_log(storage))
 
 
 def begin_save(storage) -> str:
@@ -121,22 +123,40 @@ def begin_save(storage) -> str:
 def _rebuild(storage) -> int:
     """The current generation, after rebuilding a log that lost its newest generation files.
 
-    Generations only grow and a save begins on one that exists, so a save id in ``data/`` begun on
-    generation ``b`` proves the path reached ``b``. When the log's newest is below that and a
-    checkpoint is committed here, ``gen-<b>.meta`` is made again from the committed metadata: new
-    saves begin on ``b``, and a save begun on the lost log can commit only as one of them (one
-    winner, by the exclusive creation of ``b + 1``)."""
-    now = current_generation(storage)
-    reached = max((b for b in map(save_generation, _save_dirs(storage)) if b is not None), default=0)
-    if reached <= now:
-        return now
+    Generations only grow and a save begins on one that exists, so this path's own evidence tells
+    the generation it reached: a ``begun`` record of a save begun on ``b`` proves ``b``, and the
+    committed metadata naming ``data/<g<b>-...>/`` files proves ``b + 1``. When that is above the
+    log's newest and a checkpoint is committed here, ``gen-<reached>.meta`` is made again from the
+    committed metadata: new saves begin on it, and a save begun on the lost log can commit only as
+    one of them (one winner, by the exclusive creation of the next). Save directories in a
+    ``data/`` shared with another path are no evidence unless this path's metadata names them.
+    """
+    log = _log(storage)
+    now = max(_generations(log), default=0)
+    begun = [b for b in (save_generation(sid) for sid in _begun_ids(log)) if b is not None]
+    dirs = [(sid, save_generation(sid)) for sid in _save_dirs(storage) if _SAVE_ID.match(sid)]
+    if max(begun + [b for _, b in dirs], default=0) <= now:
+        return now  # the common case: nothing here began past the log's newest
     try:
         metadata = storage.read_file(METADATA_NAME)
     except CheckpointError:
-        return now  # nothing committed to rebuild from: the leftovers go at the next commit's prune
+        return now  # nothing committed to rebuild from
+    reached = max(begun + [b + 1 for sid, b in dirs if _names(metadata, sid)], default=0)
+    if reached <= now:
+        return now
     with contextlib.suppress(FileExistsError):
         storage.create_exclusive(_gen_name(reached), metadata)
     return current_generation(storage)
+
+
+def _names(metadata: bytes | None, save_id: str) -> bool:
+    """True if the committed ``metadata`` names files of ``data/<save_id>/``: its header lists every
+    file by name, as plain UTF-8 JSON (docs/FORMAT.md), so no decoding is needed to tell."""
+    return metadata is not None and f"data/{save_id}/".encode() in metadata
+
+
+def _begun_ids(names: Iterable[str]) -> list[str]:
+    return [m.group(1) for m in map(_BEGUN.match, names) if m]
 
 
 def _lost(storage, save_id: str, base: int, now: int) -> ConcurrentSaveError:
@@ -271,25 +291,37 @@ def remove_save_files(storage, save_id: str, keep: Iterable[str] = ()) -> None:
 def prune(storage, generation: int, save_id: str, replaced_save_id: str | None = None) -> None:
     """Step 4, after commit ``generation`` of ``save_id``: remove the files no commit can reach.
 
-    - the data of every save in this path's ``data/`` begun on another generation (the save this
-      commit replaced, and crashed, failed or lost saves: their commit can only fail now; one
-      begun on a later generation comes from a log that lost its files, see :func:`_rebuild`),
-      found by listing ``data/`` (the ``begun`` records may be gone), and those records;
+    The saves in this path's own ``data/`` (listed there, never through a symbolic link) begun on
+    another generation than the new one -- their commit can only fail now -- that are provably
+    this path's: begun here (a ``begun`` record), or named by the metadata this commit replaced
+    (the previous generation's record, read only when a save there has no ``begun`` record left).
+    A save in a ``data/`` shared with another path is neither, and stays. Then:
+
     - ``replaced_save_id``: the save whose metadata this commit replaced (found in the old
-      metadata; the only way to clean a save from before the commit log);
-    - generation files older than the last two.
+      metadata by the caller; the only way to clean a save from before the commit log);
+    - the ``begun`` records of saves begun on another generation, and generation files older
+      than the last two.
     Saves begun on ``generation`` itself started after this commit and stay. Best effort: a
     failure leaves garbage for the next commit, never an error.
     """
     own = save_id.split("/", 1)[0]
     try:
         log = _log(storage)
+        records = set(_begun_ids(log))
+        previous: list[bytes | None] = []  # read once, when needed
         for sid in _save_dirs(storage):
-            base = save_generation(sid)
-            if sid != own and _SAVE_ID.match(sid) and base != generation:
-                remove_save_files(storage, sid)
-        stale = [name for name, sid in ((n, m.group(1)) for n, m in ((n, _BEGUN.match(n)) for n in log) if m)
-                 if sid != own and save_generation(sid) != generation]
+            if sid == own or not _SAVE_ID.match(sid) or save_generation(sid) == generation:
+                continue
+            if sid not in records:
+                if not previous:
+                    try:
+                        previous.append(storage.read_file(_gen_name(generation - 1)))
+                    except CheckpointError:
+                        previous.append(None)
+                if not _names(previous[0], sid):
+                    continue  # not provably this path's (a shared data/): never removed
+            remove_save_files(storage, sid)
+        stale = [f"{LOG_DIR}/begun-{sid}" for sid in records if sid != own and save_generation(sid) != generation]
         if stale:
             storage.remove_files(stale)
         if replaced_save_id and replaced_save_id.split("/", 1)[0] != own:

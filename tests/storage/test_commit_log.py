@@ -91,11 +91,16 @@ def test_prune_removes_only_what_this_path_began(storage):
         assert storage.read_file(name) == data, name
 
 
+def _meta(sid: str, payload: bytes) -> bytes:
+    """Stands for a save's metadata: it names the save's files in plain text, as raydcp's does."""
+    return b"metadata " + payload + f" data/{sid}/r00000-f000.bin".encode()
+
+
 def _save(storage, payload: bytes) -> str:
     """One whole save through the log: begin, write, commit, prune; returns its id."""
     sid = begin_save(storage)
     storage.write_file(f"data/{sid}/r00000-f000.bin", [payload])
-    prune(storage, commit_generation(storage, sid, b"metadata " + payload), sid)
+    prune(storage, commit_generation(storage, sid, _meta(sid, payload)), sid)
     return sid
 
 
@@ -107,7 +112,7 @@ def test_a_forged_high_generation_does_not_wedge_the_path(storage):
     first = _save(storage, b"1")
     storage.write_file("_raydcp/gen-999999999999.meta", [b"forged"])
     ids = [_save(storage, str(i).encode()) for i in range(2, 5)]  # each used to fail: ConcurrentSaveError
-    assert storage.read_metadata_bytes() == b"metadata 4"
+    assert storage.read_metadata_bytes() == _meta(ids[-1], b"4")
     assert current_generation(storage) == 999999999999 + 3
     assert "_raydcp/gen-999999999999.meta" not in storage.list_files("_raydcp/")  # pruned like any other
     assert not storage.exists(f"data/{first}/r00000-f000.bin")
@@ -123,19 +128,21 @@ def test_unknown_and_corrupt_log_records_are_ignored(storage):
     storage.write_file("_raydcp/gen-000000000001.meta", [b"\x00corrupt"])  # the current generation's record
     assert current_generation(storage) == 1
     _save(storage, b"2")
-    _save(storage, b"3")
-    assert storage.read_metadata_bytes() == b"metadata 3"
+    last = _save(storage, b"3")
+    assert storage.read_metadata_bytes() == _meta(last, b"3")
     assert current_generation(storage) == 3
 
 
-def test_cleanup_does_not_depend_on_the_begun_records(storage):
+def test_cleanup_of_the_replaced_save_does_not_depend_on_the_begun_records(storage):
     first = _save(storage, b"1")
     crashed = begin_save(storage)  # a save whose process died after writing
     storage.write_file(f"data/{crashed}/r00000-f000.bin", [b"partial"])
     storage.remove_files(_begun(storage))  # the records are lost
     second = _save(storage, b"2")
-    assert storage.list_files("data/") == [f"data/{second}/r00000-f000.bin"]  # the replaced and the crashed save
-    assert storage.read_metadata_bytes() == b"metadata 2"
+    assert not storage.exists(f"data/{first}/r00000-f000.bin")  # the replaced save: its metadata named it
+    # a save with no record and never committed is not provably this path's (a data/ may be shared)
+    assert storage.read_file(f"data/{crashed}/r00000-f000.bin") == b"partial"
+    assert storage.read_metadata_bytes() == _meta(second, b"2")
 
 
 def test_a_log_that_lost_its_generations_is_rebuilt_from_what_is_committed(storage):
@@ -146,14 +153,14 @@ def test_a_log_that_lost_its_generations_is_rebuilt_from_what_is_committed(stora
     storage.remove_files([n for n in storage.list_files("_raydcp/") if "/gen-" in n])
     assert current_generation(storage) == 0
 
-    after = begin_save(storage)  # the log is rebuilt: data/ shows generation 3 was reached
+    after = begin_save(storage)  # the log is rebuilt: generation 3 was reached
     assert save_generation(after) == 3
-    assert storage.read_file("_raydcp/gen-000000000003.meta") == b"metadata 2"
+    assert storage.read_file("_raydcp/gen-000000000003.meta") == _meta(committed, b"2")
     storage.write_file(f"data/{after}/r00000-f000.bin", [b"new"])
-    prune(storage, commit_generation(storage, after, b"metadata new"), after)
+    prune(storage, commit_generation(storage, after, _meta(after, b"new")), after)
     with pytest.raises(ConcurrentSaveError):  # one winner among the saves begun on generation 3
         commit_generation(storage, in_flight, b"metadata late")
-    assert storage.read_metadata_bytes() == b"metadata new"
+    assert storage.read_metadata_bytes() == _meta(after, b"new")
     assert storage.list_files("data/") == [f"data/{after}/r00000-f000.bin"]
     assert committed != after
 
@@ -186,4 +193,31 @@ def test_a_copy_whose_data_links_to_the_original_keeps_the_original_whole(tmp_pa
     assert not copy.exists(f"data/{new}/r00000-f000.bin")
     prune(copy, commit_generation(copy, new, b"metadata of the copy"), new, replaced_save_id=sid)
     assert original.read_file(f"data/{sid}/r00000-f000.bin") == b"original"
-    assert original.read_metadata_bytes() == b"metadata original"
+    assert original.read_metadata_bytes() == _meta(sid, b"original")
+
+
+def test_a_log_that_lost_every_record_is_rebuilt_from_the_committed_metadata(storage):
+    for i in range(3):
+        committed = _save(storage, str(i).encode())  # the last began on generation 2, committed 3
+    storage.remove_files(storage.list_files("_raydcp/"))
+    after = begin_save(storage)
+    assert save_generation(after) == 3
+    storage.write_file(f"data/{after}/r00000-f000.bin", [b"new"])
+    prune(storage, commit_generation(storage, after, _meta(after, b"new")), after)
+    assert storage.list_files("data/") == [f"data/{after}/r00000-f000.bin"]  # the replaced save went
+    assert not storage.exists(f"data/{committed}/r00000-f000.bin")
+
+
+def test_a_checkpoint_whose_data_another_links_to_never_removes_the_other_s_saves(tmp_path):
+    ck1, ck2 = str(tmp_path / "ck1"), str(tmp_path / "ck2")
+    raydcp.save({"w": torch.full((4,), 1.0)}, ck1)
+    os.mkdir(ck2)
+    os.symlink(os.path.join(ck1, "data"), os.path.join(ck2, "data"))  # ck2 shares ck1's data/
+    for step in (2.0, 3.0):
+        raydcp.save({"w": torch.full((4,), step)}, ck2)
+    for step in (4.0, 5.0):
+        raydcp.save({"w": torch.full((4,), step)}, ck1)  # ck1's cleanup lists data/, where ck2's saves are
+    for path, step in ((ck1, 5.0), (ck2, 3.0)):
+        out = {"w": torch.empty(4)}
+        raydcp.load(out, path)
+        assert torch.equal(out["w"], torch.full((4,), step))
