@@ -54,20 +54,25 @@ def name(ray_session):
 def test_checkpoints_lists_each_checkpoint_of_a_name_with_step_size_and_commit_time(name):
     _save(f"raymem://{name}/a", 7)
     _save(f"raymem://{name}/run/step-20", 20)
+    raydcp.save({"w": torch.ones(4), "train": {"progress": {"step": 40}}}, f"raymem://{name}/run/step-99",
+                storage_options={"keep_last": 0})  # a TrainState's step, not the digits of the name
+    raydcp.save({"w": torch.ones(4)}, f"raymem://{name}/run/step-30", storage_options={"keep_last": 0})
     stray = f"{name}/crashed/data/g0-0123456789ab/r00000-f000.bin"  # a save that never committed
     fsspec.filesystem("raymem").pipe_file(stray, b"x" * 100)
     rows = _mine(name)
     assert [r.url for r in rows] == [f"raymem://{name}/a", f"raymem://{name}/run/step-20",
-                                     f"raymem://{name}/crashed"]
-    a, b, crashed = rows
-    assert (a.step, b.step) == (7, 20)  # the plain value `step`
+                                     f"raymem://{name}/run/step-99", f"raymem://{name}/run/step-30",
+                                     f"raymem://{name}/crashed"]  # committed ones oldest first, then the others
+    a, b, train, unknown, crashed = rows
+    assert (a.step, b.step, train.step, unknown.step) == (7, 20, 40, None)  # what was saved, never a name's digits
     assert a.committed_at is not None and b.committed_at is not None and a.committed_at <= b.committed_at
     assert a.world_size == 1 and a.error is None
     files = fsspec.filesystem("raymem").find(f"{name}/a", detail=True)
     assert a.files == len(files) and a.bytes == sum(i["size"] for i in files.values())
     assert a.bytes > 256 * 4 and a.held_bytes == a.bytes and a.nodes == (_node(),)  # one node: one copy
     assert crashed.committed_at is None and crashed.files == 1 and crashed.bytes == 100 and crashed.step is None
-    assert [r.url for r in mem.checkpoints(f"raymem://{name}/run")] == [f"raymem://{name}/run/step-20"]
+    assert [r.url for r in mem.checkpoints(f"raymem://{name}/run")] == [f"raymem://{name}/run/step-{n}"
+                                                                        for n in (20, 99, 30)]
     assert mem.checkpoints(f"{name}-none") == []
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -48,7 +47,6 @@ __all__ = ["DEFAULT_TIMEOUT_S", "ClusterUnreachableError", "MemoryInUseError", "
 
 DEFAULT_TIMEOUT_S = 15.0
 _PROTOCOL = "raymem://"
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
 _KIND_OF_PREFIX = {f"{prefix}-": kind for kind, prefix in (("mem", "holder"), ("disk", "disk-holder"))}
 
 
@@ -82,7 +80,7 @@ class MemCheckpoint:
     held_bytes: int              # every copy on every node
     nodes: tuple[str, ...]       # the nodes holding any of its files
     committed_at: float | None   # seconds since the epoch (the metadata's publication)
-    step: int | None = None      # the checkpoint's plain value ``step``, else the number its name ends with
+    step: int | None = None      # the step it saved (plain value ``step`` or a TrainState's progress.step)
     world_size: int | None = None
     error: str | None = None     # the metadata could not be read
 
@@ -267,12 +265,17 @@ def _committed_dirs(files: dict[str, dict]) -> list[str]:
     return sorted(dirs, key=len, reverse=True)
 
 
-def _step(url: str, values: dict | None) -> int | None:
-    step = (values or {}).get("step")
-    if isinstance(step, int) and not isinstance(step, bool):
-        return step
-    m = _TRAILING_NUMBER.search(url.rstrip("/"))
-    return int(m.group(1)) if m else None
+def _step(values: dict | None) -> int | None:
+    """The step the checkpoint saved, never digits of its name (as ``raydcp ls`` reads it): the
+    plain value ``step``, else the shortest ``progress.step`` of a ``raydcp.train.TrainState``."""
+    values = values or {}
+    keys = ["step"] + sorted((k for k in values if k == "progress.step" or k.endswith(".progress.step")),
+                             key=lambda k: (len(k), k))
+    for key in keys:
+        step = values.get(key)
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    return None
 
 
 def checkpoints(name: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[MemCheckpoint]:
@@ -304,7 +307,7 @@ def checkpoints(name: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
             held_bytes=sum(i["size"] * len(i["held_on"]) for _, i in members),
             nodes=tuple(sorted({n for _, i in members for n in i["held_on"]})),
             committed_at=meta["created"] if meta is not None else None,
-            step=_step(directory, values),
+            step=_step(values),
             world_size=world, error=error))
     rows.sort(key=lambda r: (r.name, r.committed_at is None, r.committed_at or 0.0, r.url))
     return rows
