@@ -58,8 +58,16 @@ def test_node_local_keep_last_stays_in_its_own_run(ray_session, tmp_path):
     assert (disk / "runB" / "notes.txt").exists() and (disk / "stray.txt").exists()
 
 
-def test_node_local_keep_last_at_the_root_of_a_disk_prunes_nothing_else(ray_session, tmp_path):
-    node = ray_session.get_runtime_context().get_node_id()
+def test_retention_scope_is_the_directory_beside_the_checkpoint():
+    from raydcp.runtime.memstore.commit import retention_scope
+
+    assert retention_scope("run-7/step-200/raydcp.meta") == "run-7"
+    assert retention_scope("/nvme/{node}/run-7/step-200/raydcp.meta") == "/nvme/{node}/run-7"
+    assert retention_scope("ckpt/raydcp.meta") is None   # raymem://ckpt: nothing beside it to count
+    assert retention_scope("/ckpt/raydcp.meta") is None  # raynode:///ckpt: never the whole disk
+
+
+def test_node_local_keep_last_counts_only_saves_with_keep_last(ray_session, tmp_path):
     _save(f"raynode://{tmp_path}/{{node}}/one", 1)
     _save(f"raynode://{tmp_path}/{{node}}/two", 2, keep_last=1)
     _save(f"raynode://{tmp_path}/{{node}}/three", 3, keep_last=1)
