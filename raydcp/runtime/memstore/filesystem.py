@@ -233,22 +233,30 @@ class RayMemFileSystem(AbstractFileSystem):
         on every alive node, or FileExistsError and nothing of this call held anywhere.
 
         Each holder's :meth:`~raydcp.runtime.memstore.holder.MemHolder.create` is a compare-and-set.
-        The holders are asked one at a time in ring order, so creators racing for one name meet at
-        the first node they all see and exactly one passes it; one refused further on (a stale copy,
-        a node that joined meanwhile) takes back only the copies marked with its own token. A copy
-        on every alive node makes a later creator meet it wherever it starts."""
+        The first node in ring order is asked first, alone: creators racing for one name meet there
+        and exactly one passes it; the winner then asks the other nodes at once. A creator refused
+        anywhere (a stale copy, a node list that changed meanwhile, so that racers met first on
+        different nodes: then they meet again on the others, and at most one passes them all)
+        takes back only the copies marked with its own token. A copy on every alive node makes a
+        later creator meet it wherever it starts."""
         self._connect(path)
         url = self._url(path)
         nodes = placement.alive_nodes()
         token, created = uuid.uuid4().hex, time.time_ns()
         made: list[str] = []
+
+        def create(batch: list[str]) -> None:
+            holders = [placement.holder(n, self._kind) for n in batch]
+            refs = [h.create.remote(path, data, created, tuple(nodes), token, self._create_at(path, n))
+                    for n, h in zip(batch, holders)]
+            made.extend(batch)  # taken back on failure: uncreate leaves another creator's file alone
+            if not all(self._gather(batch, refs, f"create {url}")):
+                raise FileExistsError(url)
+
         try:
-            for node in nodes:
-                h = placement.holder(node, self._kind)
-                ref = h.create.remote(path, data, created, tuple(nodes), token, self._create_at(path, node))
-                if not self._gather([node], [ref], f"create {url}")[0]:
-                    raise FileExistsError(url)
-                made.append(node)
+            create(nodes[:1])
+            if nodes[1:]:
+                create(nodes[1:])
         except BaseException:
             if made:
                 refs = [placement.holder(n, self._kind).uncreate.remote(path, token) for n in made]
