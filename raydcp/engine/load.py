@@ -223,7 +223,7 @@ _KEYS_SHOWN = 20
 
 def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, strict: bool = True,
               storage_options: dict | None = None, warn_skipped: bool = True,
-              options: LoadOptions | None = None) -> LoadStats:
+              options: LoadOptions | None = None, fresh: bool = False) -> LoadStats:
     """The load protocol for one rank (every rank of ``transport`` calls it together).
 
     1. flatten the state dict into the regions this rank wants; 2. reduce_scatter
@@ -239,7 +239,8 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     it was (:meth:`FlatState.rollback`): with ``options.atomic`` (the default) each rank keeps
     a host copy of the tensors it fills from step 3 until it returns, and copies it back when
     the load fails (on every rank, as the failing steps are collective). Without it there is
-    no copy, and the error names the keys this rank had written (``written_keys``).
+    no copy, and the error names the keys this rank had written (``written_keys``). ``fresh``:
+    the state dict is new and its caller drops it when the load fails (no copy, nothing named).
 
     With ``strict=False`` the result names the keys skipped, and rank 0 logs them (all ranks'
     together) in one warning unless ``warn_skipped`` is False (internal partial loads).
@@ -255,12 +256,12 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     except Exception as exc:
         local = RankFailure.from_exception(transport.rank, exc)
     copies: list = []
-    written = None if options.atomic else []
+    written = None if options.atomic or fresh else []
     try:
         plan, skipped, group_skipped, compressed, commit = transport.reduce_scatter(
             "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
         before = None
-        if options.atomic:
+        if options.atomic and not fresh:
             def before():
                 copies.append(_undo_copy(flat, _filled(flat, skipped)))
         storage = CheckpointStorage(checkpoint_id, storage_options)
@@ -300,7 +301,7 @@ def _filled(flat: FlatState, skipped: Skipped | None) -> list[str]:
 
 
 def transfer_with(transport: Transport, source_state: dict | None, dest_state: dict | None, *,
-                  strict: bool = True, atomic: bool = True) -> LoadStats:
+                  strict: bool = True, fresh: bool = False) -> LoadStats:
     """Move a live group's state to another layout through the transport, no storage round trip.
 
     Every rank of ``transport`` calls it; a rank may hold source pieces
@@ -309,10 +310,9 @@ def transfer_with(transport: Transport, source_state: dict | None, dest_state: d
     needed piece is served by one rank holding it, sliced and sent to the ranks
     that want it (through the object store with the Ray transport).
 
-    A transfer that raises leaves ``dest_state`` as it was, as :func:`load_with` does (with
-    ``atomic``, by a host copy of the tensors it fills; ``atomic=False`` for a destination
-    nobody sees when the transfer fails, such as fresh pieces, and the error names the keys
-    written). The source is only read.
+    A transfer that raises leaves ``dest_state`` as it was, as :func:`load_with` does, by a host
+    copy of the tensors it fills; ``fresh``: ``dest_state`` is new and its caller drops it when
+    the transfer fails (no copy). The source is only read.
     """
     t0 = time.perf_counter()
     rank = transport.rank
@@ -326,13 +326,12 @@ def transfer_with(transport: Transport, source_state: dict | None, dest_state: d
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
     copies: list = []
-    written = None if atomic else []
     try:
         plan = transport.reduce_scatter("transfer: plan", local, plan_transfer)
         reader = LiveChunkReader(lambda key: src_flat.tensors[key].tensor)
-        before = (lambda: copies.append(_undo_copy(flat, list(flat.tensors)))) if atomic else None
-        _execute(transport, plan, flat, reader, written, before)
+        before = None if fresh else lambda: copies.append(_undo_copy(flat, list(flat.tensors)))
+        _execute(transport, plan, flat, reader, None, before)
         _hand_back(transport, flat, dict(plan.values), False, "transfer: hand back")
     except BaseException as exc:
-        raise _rolled_back(flat, copies[0] if copies else None, written, rank, exc) from None
+        raise _rolled_back(flat, copies[0] if copies else None, None, rank, exc) from None
     return LoadStats(0, plan.bytes_needed, time.perf_counter() - t0)

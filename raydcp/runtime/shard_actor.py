@@ -20,15 +20,12 @@ import torch
 from ..engine import load_with, save_with, transfer_with
 from ..errors import CheckpointError
 from ..group import Group
-from ..options import LoadOptions
 from ..state import Shard
 from ..planner.layouts import Specs
 from ..transport import Transport
 from .layouts import empty_state
 from .ray_transport import RayTransport
 from .reshard_steps import Incoming, publish, receive, receive_direct
-
-_FRESH_LOAD = LoadOptions(atomic=False)
 
 __all__ = ["ShardActor"]
 
@@ -62,9 +59,8 @@ class ShardActor:
             rank, world_size = group[1], group[2]
             state = self._empty(*fresh, rank, world_size) if fresh is not None else self._state(slot)
             # fresh pieces are dropped when the load fails: no undo copy of them (the held ones get one)
-            options = _FRESH_LOAD if fresh is not None else None
             self._run(group, lambda t: load_with(t, state, checkpoint_id, strict=strict,
-                                                 storage_options=storage_options, options=options))
+                                                 storage_options=storage_options, fresh=fresh is not None))
             self._keep(slot, state)
             return None
 

@@ -319,7 +319,7 @@ class ShardGroup:
         try:
             transport = RayTransport(Group(*spec(n)[:3], timeout_s=self.timeout_s), 0, host=self._host.name)
             try:
-                transfer_with(transport, None, dest, atomic=False)  # a fresh dict, dropped on failure
+                transfer_with(transport, None, dest, fresh=True)  # dropped when it fails
             finally:
                 transport.close()
         except CheckpointError as exc:
