@@ -41,6 +41,7 @@ def _run(args: list[str], env: dict) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("command", [
     ["inspect", "raymem://nowhere/ckpt"],
     ["verify", "raymem://nowhere/ckpt"],
+    ["ls", "raymem://nowhere"],
 ])
 def test_an_unreachable_cluster_address_fails_at_once_naming_it(command):
     address = f"127.0.0.1:{_closed_port()}"
