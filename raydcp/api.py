@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .engine.background import AsyncPersister, SaveFuture, failed_save, start_async_save
-from .engine.load import LoadStats, load_with, read_metadata, transfer_with
+from .convert.detect import with_format_hint
+from .engine.load import LoadStats, load_with, transfer_with
+from .engine.load import read_metadata as read_metadata_with
 from .engine.save import save_with
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .group import Group
 from .metadata import Metadata
 from .options import DEFAULT_LOAD, DEFAULT_SAVE, AsyncOptions, LoadOptions, SaveOptions
@@ -176,8 +178,19 @@ def load(state_dict: dict, checkpoint_id, *, group: Group | None = None, strict:
         with _gc_paused():
             return load_with(transport, state_dict, ckpt, strict=strict, storage_options=storage_options,
                              options=options)
+    except CheckpointNotFoundError as exc:  # another format at the path: say which, and how to convert it
+        raise with_format_hint(exc, storage_options) from None
     finally:
         transport.close()
+
+
+def read_metadata(checkpoint_id, *, storage_options: dict | None = None) -> Metadata:
+    """The metadata of the committed checkpoint at ``checkpoint_id``: keys, shapes, dtypes, pieces, files."""
+    ckpt = _checkpoint_id(checkpoint_id)
+    try:
+        return read_metadata_with(ckpt, storage_options)
+    except CheckpointNotFoundError as exc:
+        raise with_format_hint(exc, storage_options) from None
 
 
 def transfer(source_state: dict | None, dest_state: dict | None, *, group: Group, strict: bool = True) -> LoadStats:

@@ -16,7 +16,7 @@ import sys
 from typing import Sequence
 
 from ..errors import CheckpointError
-from ._common import EXIT_ERROR, EXIT_INTERNAL, add_verbosity, logging_to_stderr, one_line, safe
+from ._common import EXIT_ERROR, EXIT_INTERNAL, add_verbosity, logging_to_stderr, one_line, safe, storage_options
 from ._registry import BUILTIN_MODULES, Command, register, registered
 
 __all__ = ["main", "build_parser", "Command", "register", "BUILTIN_MODULES"]
@@ -54,6 +54,17 @@ def _fail(status: int, message: str) -> int:
     return status
 
 
+def _with_format_hint(exc: CheckpointError, args) -> BaseException:
+    """A path without a raydcp checkpoint that holds another format: say which, and the command that converts it."""
+    from ..convert.detect import with_format_hint
+
+    try:
+        options = storage_options(args)
+    except CheckpointError:
+        options = None
+    return with_format_hint(exc, options)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     parser = build_parser()
@@ -66,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with logging_to_stderr(args.quiet, args.verbose):
             return command.run(args)
     except CheckpointError as exc:
-        return _fail(EXIT_ERROR, str(exc))
+        return _fail(EXIT_ERROR, str(_with_format_hint(exc, args)))
     except KeyboardInterrupt:
         return _fail(130, "interrupted")
     except BrokenPipeError:  # stdout closed early (| head): not an error of the command

@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-__all__ = ["ForeignFormat", "foreign_format", "foreign_format_hint", "hint_for_url", "sniff_file"]
+__all__ = ["ForeignFormat", "foreign_format", "foreign_format_hint", "hint_for_url", "sniff_file", "with_format_hint"]
 
 _METADATA = "raydcp.meta"
 _DCP_METADATA = ".metadata"
@@ -123,10 +123,29 @@ def hint_for_url(url, storage_options: dict | None = None) -> str | None:
     """:func:`foreign_format_hint` for a local path or fsspec URL (None where it cannot be opened)."""
     import os
 
-    import fsspec
+    from ..storage.paths import location_to_fs
 
     try:
-        fs, path = fsspec.core.url_to_fs(os.fspath(url), **(storage_options or {}))
+        fs, path = location_to_fs(url, storage_options)
     except Exception:
         return None
     return foreign_format_hint(fs, path, os.fspath(url))
+
+
+# The reasons storage gives for a path without a raydcp checkpoint where another format may be there.
+_MAYBE_FOREIGN = ("file", "empty")
+
+
+def with_format_hint(exc: BaseException, storage_options: dict | None = None) -> BaseException:
+    """``exc``, or where it is a :class:`~raydcp.errors.CheckpointNotFoundError` for a path that holds
+    another format (torch DCP, safetensors, torch.save), the same error saying what the path is and
+    the command that converts it (``reason="other-format"``).
+
+    The storage layer knows only raydcp's own files; the layers that open checkpoints for a user
+    (the public calls, the CLI) name the formats next to raydcp's with this."""
+    from ..errors import CheckpointNotFoundError
+
+    if not isinstance(exc, CheckpointNotFoundError) or exc.reason not in _MAYBE_FOREIGN or not exc.path:
+        return exc
+    hint = hint_for_url(exc.path, storage_options)
+    return exc if hint is None else exc.copy(hint, reason="other-format")

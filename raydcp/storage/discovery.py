@@ -8,7 +8,7 @@
 - :func:`not_found_error` is the error :meth:`CheckpointStorage.read_metadata_bytes` raises for a
   path without committed metadata, with its reason: the path does not exist; it is a file; it
   is a directory of checkpoints (a few named); a save there has not committed; another format
-  (torch DCP, safetensors, torch.save: :mod:`raydcp.convert.detect`); or nothing of raydcp's.
+  (the layers above name it: :func:`raydcp.convert.detect.with_format_hint`); or nothing of raydcp's.
   ``CheckpointNotFoundError.reason`` names the case for callers.
 """
 from __future__ import annotations
@@ -137,11 +137,6 @@ def _error(url: str, reason: str, detail: str, below: tuple[str, ...] = ()) -> C
 def _not_a_directory(fs, path: str, url: str, info: dict | None) -> CheckpointNotFoundError:
     if info is None:
         return _error(url, "missing", "no such file or directory")
-    from ..convert.detect import foreign_format_hint  # a safetensors or torch.save file: say so
-
-    hint = foreign_format_hint(fs, path, url)
-    if hint:
-        return CheckpointNotFoundError(hint, path=url, reason="other-format")
     if path.rstrip("/").rsplit("/", 1)[-1] == METADATA_NAME:
         parent = url.rstrip("/").rsplit("/", 1)[0]
         return _error(url, "file", f"it is the metadata file of a checkpoint; pass its directory: {parent}")
@@ -166,11 +161,6 @@ def not_found_error(fs, path: str, url: str) -> CheckpointNotFoundError:
         entries = _entries(fs, path)
         if entries.get(LOG_DIR, {}).get("type") == "directory":
             return _uncommitted(url)
-        from ..convert.detect import foreign_format, foreign_format_hint
-
-        found = foreign_format(fs, path)
-        if found is not None and found.kind != "raydcp-root":
-            return CheckpointNotFoundError(foreign_format_hint(fs, path, url), path=url, reason="other-format")
         search = _walk(fs, path, url, False, DEFAULT_DEPTH, 1_000)
         if search.checkpoints:
             n = len(search.checkpoints)
