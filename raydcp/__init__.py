@@ -26,7 +26,7 @@ _LAZY = {"save": ".api", "async_save": ".api", "load": ".api", "read_metadata": 
          "SaveOptions": ".options", "LoadOptions": ".options", "IOOptions": ".options"}
 
 _SUBMODULES = frozenset({"api", "options", "train", "engine", "storage", "planner", "codec", "metadata", "metadata_format", "runtime",
-                         "transport", "state", "verify", "pipeline", "convert", "reshard", "cli", "lazy"})
+                         "transport", "state", "verify", "pipeline", "convert", "reshard", "cli", "lazy", "memory"})
 
 # raymem:// (checkpoints in the Ray cluster's memory) and raynode:// (node-local disk tiers): fsspec
 # imports the classes, and with them Ray, only when such a URL is opened.
