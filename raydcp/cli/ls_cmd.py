@@ -11,7 +11,8 @@ where a status record (``raydcp.status.json``, written by ``raydcp.pipeline``) l
 The step is what was saved, never digits of a name: the checkpoint's plain value ``step`` (or
 ``progress.step`` of a ``raydcp.train.TrainState``), else the step Ray Train recorded with the
 report (``checkpoint_manager_snapshot.json`` of the run: ``metrics["raydcp"]["step"]`` or
-``metrics["step"]``), else the pipeline record's; ``-`` where none is known. Saves below ROOT
+``metrics["step"]``), else the one ``raydcp.train.RayDCPCallback`` recorded
+(``raydcp_checkpoints.jsonl``), else the pipeline record's; ``-`` where none is known. Saves below ROOT
 that have not committed are named after the table. A ROOT that does not exist is an error (exit
 2); one without checkpoints lists none (exit 0).
 """
@@ -30,6 +31,7 @@ from ._registry import Command, register
 __all__ = ["COMMAND", "list_checkpoints", "saved_step"]
 
 RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's reported checkpoints
+CALLBACK_RECORDS = "raydcp_checkpoints.jsonl"  # raydcp.train.RayDCPCallback's (its RECORDS_NAME; no Ray here)
 _SHOWN_UNCOMMITTED = 5
 
 
@@ -61,54 +63,81 @@ def saved_step(values: dict[str, Any]) -> tuple[int | None, str | None]:
     return None, None
 
 
-class _RayTrainRecords:
-    """The steps Ray Train recorded for the checkpoints of a run directory, read once per directory
-    (JSON only), by checkpoint directory name."""
+class _RunRecords:
+    """The steps recorded beside the checkpoints of a run directory, by checkpoint directory name:
+    Ray Train's (``checkpoint_manager_snapshot.json``: the metrics reported with each checkpoint)
+    and raydcp's callback's (``raydcp_checkpoints.jsonl``). JSON only, read once per directory."""
 
     def __init__(self, opts: dict | None):
         self._opts = opts
-        self._by_dir: dict[str, dict[str, int]] = {}
+        self._by_dir: dict[str, dict[str, tuple[int, str]]] = {}
 
-    def step(self, checkpoint_url: str) -> int | None:
+    def step(self, checkpoint_url: str) -> tuple[int | None, str | None]:
         parent, _, name = checkpoint_url.rstrip("/").rpartition("/")
         if not parent:
-            return None
+            return None, None
         if parent not in self._by_dir:
             self._by_dir[parent] = self._read(parent)
-        return self._by_dir[parent].get(name)
+        return self._by_dir[parent].get(name, (None, None))
 
-    def _read(self, run_url: str) -> dict[str, int]:
+    def _read(self, run_url: str) -> dict[str, tuple[int, str]]:
         from ..storage import CheckpointStorage
 
         try:
             storage = CheckpointStorage(run_url, self._opts)
-            if not storage.exists(RAY_TRAIN_SNAPSHOT):
-                return {}
+            found = {name: (step, "raydcp-callback") for name, step in self._callback(storage)}
+            found.update((name, (step, "ray-train")) for name, step in self._ray_train(storage))
+        except CheckpointError:
+            return {}  # the run directory cannot be read: the steps stay unknown
+        return found
+
+    @staticmethod
+    def _ray_train(storage) -> list[tuple[str, int]]:
+        if not storage.exists(RAY_TRAIN_SNAPSHOT):
+            return []
+        try:
             doc = json.loads(storage.read_file(RAY_TRAIN_SNAPSHOT))
-        except (CheckpointError, ValueError):
-            return {}  # no record, or one this reader does not understand: the step stays unknown
-        results = list(doc.get("checkpoint_results") or []) if isinstance(doc, dict) else []
-        if isinstance(doc, dict) and isinstance(doc.get("latest_checkpoint_result"), dict):
+        except ValueError:
+            return []  # a record this reader does not understand
+        if not isinstance(doc, dict):
+            return []
+        results = list(doc.get("checkpoint_results") or [])
+        if isinstance(doc.get("latest_checkpoint_result"), dict):
             results.append(doc["latest_checkpoint_result"])
-        steps = {}
+        out = []
         for r in results:
             if not isinstance(r, dict) or not isinstance(r.get("metrics"), dict):
                 continue
             metrics = r["metrics"]
-            ours = metrics.get("raydcp")
+            ours = metrics.get("raydcp")  # what raydcp.train.save reports
             step = _int(ours.get("step")) if isinstance(ours, dict) else None
             step = step if step is not None else _int(metrics.get("step"))
             if step is not None and isinstance(r.get("checkpoint_dir_name"), str):
-                steps[r["checkpoint_dir_name"]] = step
-        return steps
+                out.append((r["checkpoint_dir_name"], step))
+        return out
+
+    @staticmethod
+    def _callback(storage) -> list[tuple[str, int]]:
+        if not storage.exists(CALLBACK_RECORDS):
+            return []
+        out = []
+        for line in storage.read_file(CALLBACK_RECORDS).decode("utf-8", "replace").splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash
+            if isinstance(r, dict) and r.get("event") == "checkpoint" and isinstance(r.get("checkpoint"), str) \
+                    and _int(r.get("step")) is not None:
+                out.append((r["checkpoint"], r["step"]))
+        return out
 
 
-def _step(md, ray_train: int | None, record) -> tuple[int | None, str | None]:
+def _step(md, recorded: tuple[int | None, str | None], record) -> tuple[int | None, str | None]:
     step, key = saved_step(md.values) if md is not None else (None, None)
     if step is not None:
         return step, f"value {key}"
-    if ray_train is not None:
-        return ray_train, "ray-train"
+    if recorded[0] is not None:
+        return recorded
     if record is not None and record.step is not None:
         return record.step, "pipeline"
     return None, None
@@ -124,7 +153,7 @@ def list_checkpoints(root: str, opts: dict | None, depth: int | None = None) -> 
 
     depth = DEFAULT_DEPTH if depth is None else depth
     search = find_checkpoints(root, opts, max_depth=depth)
-    ray_train = _RayTrainRecords(opts)
+    run_records = _RunRecords(opts)
     rows = []
     for c in search.checkpoints:
         row: dict[str, Any] = {"name": c.relpath, "url": c.url, "committed_at": c.committed_at}
@@ -137,7 +166,7 @@ def list_checkpoints(root: str, opts: dict | None, depth: int | None = None) -> 
             record = read_record(CheckpointStorage(c.url, opts))
         except CheckpointError as exc:
             row.setdefault("error", str(exc))
-        row["step"], row["step_from"] = _step(md, ray_train.step(c.url), record)
+        row["step"], row["step_from"] = _step(md, run_records.step(c.url), record)
         row["tensors"] = len(md.tensors) if md is not None else None
         row["pieces"] = sum(len(t.chunks) for t in md.tensors.values()) if md is not None else None
         row["bytes"] = md.total_bytes if md is not None else None

@@ -14,7 +14,7 @@ import torch
 
 import raydcp
 from raydcp import CheckpointNotFoundError
-from raydcp.cli import main
+from raydcp.cli import ls_cmd, main
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "raydcp")
 
@@ -52,6 +52,9 @@ def test_ls_of_a_ray_train_run(ray_session, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from raydcp.train.callback import RECORDS_NAME
+
+    assert ls_cmd.CALLBACK_RECORDS == RECORDS_NAME  # ls reads the callback's records without importing Ray
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     storage = tmp_path / "storage"
     TorchTrainer(_two_reports, scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 0.5}),
@@ -98,6 +101,10 @@ def test_ls_steps_come_from_what_was_saved(tmp_path, capsys):
     (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps({"checkpoint_results": [
         {"checkpoint_dir_name": "raydcp-step00000006-1b855de7", "metrics": {"raydcp": {"step": 6}}},
         {"checkpoint_dir_name": "ckpt-99", "metrics": {"step": 99}}]}))  # the saved value wins
+    raydcp.save({"w": torch.ones(2)}, run_dir / "raydcp-step00000041-aaaaaaa1")
+    (run_dir / ls_cmd.CALLBACK_RECORDS).write_text("\n".join([  # RayDCPCallback's records
+        json.dumps({"event": "checkpoint", "checkpoint": "raydcp-step00000041-aaaaaaa1", "step": 41}),
+        '{"event": "checkpoint", "checkpoint": "cut short by a cra']))
 
     code, out, err = run(capsys, "ls", tmp_path / "exp", "--json")
     assert code == 0 and err == ""
@@ -106,6 +113,7 @@ def test_ls_steps_come_from_what_was_saved(tmp_path, capsys):
     assert steps == {"run/raydcp-step00000006-1b855de7": (6, "value step"),
                      "run/raydcp-step00000005-bdf0f65e": (None, None),
                      "run/ckpt-99": (12, "value t.progress.step"),
+                     "run/raydcp-step00000041-aaaaaaa1": (41, "raydcp-callback"),
                      "run/tier/p-3": (8, "pipeline")}
     assert doc["uncommitted"] == [] and doc["incomplete"] is False
 
@@ -116,14 +124,15 @@ def test_ls_steps_come_from_what_was_saved(tmp_path, capsys):
     assert "no committed checkpoints" in out and "deeper than 1 level were not searched" in out
     code, out, _ = run(capsys, "ls", tmp_path / "exp", "--depth", "2", "--json")
     assert sorted(r["name"] for r in json.loads(out)["checkpoints"]) == [
-        "run/ckpt-99", "run/raydcp-step00000005-bdf0f65e", "run/raydcp-step00000006-1b855de7"]
+        "run/ckpt-99", "run/raydcp-step00000005-bdf0f65e", "run/raydcp-step00000006-1b855de7",
+        "run/raydcp-step00000041-aaaaaaa1"]
 
     # a checkpoint given itself lists as "."; a save that has not committed is named, not listed
     code, out, _ = run(capsys, "ls", run_dir / "ckpt-99", "--json")
     assert [(r["name"], r["step"]) for r in json.loads(out)["checkpoints"]] == [(".", 12)]
     os.remove(run_dir / "raydcp-step00000005-bdf0f65e" / "raydcp.meta")
     code, out, _ = run(capsys, "ls", run_dir)
-    assert "3 committed checkpoints" in out and "not committed (1): raydcp-step00000005-bdf0f65e" in out
+    assert "4 committed checkpoints" in out and "not committed (1): raydcp-step00000005-bdf0f65e" in out
 
 
 def test_ls_of_raymem(ray_session, capsys):
