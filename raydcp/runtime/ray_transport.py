@@ -49,7 +49,7 @@ from ray import exceptions as rex
 
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
-from ..transport import Transport, _unwrap, decode, encode, run_reduce
+from ..transport import Transport, decode, encode, run_reduce, unwrap
 from . import actors
 from .groups import Operation, next_operation, this_caller
 
@@ -123,7 +123,7 @@ class RayTransport(Transport):
             value = run_reduce(step, [local], reduce_fn)[0]
         else:
             value = self._call(step, "reduce_scatter", local, reduce_fn)
-        out = _unwrap(value)
+        out = unwrap(value)
         # Every rank passed this barrier, so every consumer has copied what we sent.
         self._held.clear()
         return out
@@ -156,7 +156,7 @@ class RayTransport(Transport):
             payload: Any = routed
         except Exception as exc:  # e.g. object store full: fail every rank together, not by timeout
             payload = RankFailure.from_exception(self.rank, exc)
-        inbox = _unwrap(self._call(step, "exchange", payload))
+        inbox = unwrap(self._call(step, "exchange", payload))
         return self._fetch(step, inbox, to_self)
 
     def _fetch(self, step, inbox, to_self):
