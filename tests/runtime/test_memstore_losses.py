@@ -130,7 +130,7 @@ def test_a_holder_killed_between_save_and_load_is_named_as_the_loss(name):
     with pytest.raises(CheckpointNotFoundError) as err:
         raydcp.load(_blank(), url)
     text = str(err.value)
-    assert "was committed, but the holder that held it is gone" in text, text
+    assert f"{url} was committed, but the holder that held it is gone" in text, text
     assert _node() in text and "killed or crashed" in text and "replicas" in text
     assert "has not committed" not in text
     # the path can be saved to again, and loads

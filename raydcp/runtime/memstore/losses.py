@@ -52,16 +52,18 @@ def missing_error(fs, path: str) -> CheckpointError | None:
             return error
     if fs._kind != "mem":
         return None  # a disk tier's files outlive their holder: a new one finds them again
-    lost = _lost_with_holder(fs, directory)
+    lost = [entry for entry in _lost_with_holder(fs, directory)
+            if directory == entry[1] or directory.startswith(entry[1] + "/")]
     if not lost:
         return None
+    checkpoint = fs._url(lost[0][1])
     where = "; ".join(f"node {node}: committed {_ago(committed)}, its holder lost before {_ago(found)}"
-                      for node, committed, found in lost)
-    text = (f"{fs._url(directory)} was committed, but the holder that held {'it' if is_meta else url} is gone "
+                      for node, _, committed, found in lost)
+    text = (f"{checkpoint} was committed, but the holder that held {'it' if is_meta else url} is gone "
             f"though its node is alive ({where}): a holder killed or crashed takes its copies with it, and no "
             f"other node holds one; {_NEXT}")
     if is_meta:
-        return CheckpointNotFoundError(text, path=fs._url(directory))
+        return CheckpointNotFoundError(text, path=checkpoint)
     return CheckpointDamagedError(text, file=url)
 
 
@@ -95,12 +97,13 @@ def _lost_copies(fs, path: str, url: str, directory: str) -> CheckpointError | N
     return CheckpointDamagedError(f"{url} has no live copy: " + "; ".join(parts) + f"; {_NEXT}", file=url)
 
 
-def _lost_with_holder(fs, directory: str) -> list[tuple[str, int, int]]:
-    """Step 3: ``(node, committed, found lost)`` for the alive nodes whose earlier memory holder
-    held ``directory``'s checkpoint (a holder is started where none runs: its record says)."""
+def _lost_with_holder(fs, directory: str) -> list[tuple[str, str, int, int]]:
+    """Step 3: ``(node, checkpoint directory, committed, found lost)`` for the alive nodes whose
+    earlier memory holder held a checkpoint at or around ``directory`` (a holder is started where
+    none runs: its record says)."""
     holders = {n: placement.holder(n, fs._kind) for n in placement.alive_nodes()}
     out = []
     for node, answer in fs._ask(holders, "lost", directory).items():
-        for _, (committed, found) in answer["dirs"].items():
-            out.append((node, committed, found))
+        for d, (committed, found) in sorted(answer["dirs"].items()):
+            out.append((node, d, committed, found))
     return out
