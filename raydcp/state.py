@@ -74,39 +74,46 @@ class TensorLeaf(NamedTuple):
 
 
 class UndoCopy:
-    """Host copies of tensors' contents (:meth:`FlatState.undo_copy`): those of host-contiguous
-    tensors packed in one buffer (one allocation and one memmove each, so that a hundred
-    thousand small tensors cost a fraction of a second), others (CUDA, strided views) one
-    host tensor each. ``nbytes``: the host memory it holds."""
+    """Host copies of tensors' contents (:meth:`FlatState.undo_copy`): host-contiguous tensors by
+    memmove into buffers of up to ``PACK_BYTES`` shared by small tensors (so that a hundred
+    thousand small tensors cost one allocation per ``PACK_BYTES``, not one each), a larger one
+    into a buffer of its own; others (CUDA, strided views) one host tensor each. ``nbytes``: the
+    host memory it holds."""
 
-    __slots__ = ("_buf", "_dense", "_other", "nbytes")
+    PACK_BYTES = 16 << 20
+
+    __slots__ = ("_bufs", "_dense", "_other", "nbytes")
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
-        dense: list[tuple[torch.Tensor, int, int]] = []
+        dense: list[tuple[torch.Tensor, int, int, int]] = []  # (tensor, buffer, offset in it, nbytes)
         other: list[tuple[torch.Tensor, torch.Tensor]] = []
-        total = 0
+        sizes: list[int] = []  # of the buffers
+        pack = self.PACK_BYTES
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "ComplexHalf support is experimental")  # torch's, for complex32
             for t in tensors:
                 if t.is_cpu and t.is_contiguous():
                     n = t.nbytes
-                    if n:
-                        dense.append((t, total, n))
-                        total += n
+                    if not n:
+                        continue
+                    if not sizes or sizes[-1] + n > pack:  # a new buffer (a large tensor always gets one)
+                        sizes.append(0)
+                    dense.append((t, len(sizes) - 1, sizes[-1], n))
+                    sizes[-1] += n
                 elif t.numel():
                     other.append((t, torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t.detach())))
-        self._buf = np.empty(total, np.uint8)
-        base, memmove = self._buf.ctypes.data, ctypes.memmove
-        for t, at, n in dense:
-            memmove(base + at, t.data_ptr(), n)
+        self._bufs = [np.empty(n, np.uint8) for n in sizes]
+        bases, memmove = [b.ctypes.data for b in self._bufs], ctypes.memmove
+        for t, b, at, n in dense:
+            memmove(bases[b] + at, t.data_ptr(), n)
         self._dense, self._other = dense, other
-        self.nbytes = total + sum(saved.nbytes for _, saved in other)
+        self.nbytes = sum(sizes) + sum(saved.nbytes for _, saved in other)
 
     def restore(self) -> None:
         """Copy the saved contents back into the tensors."""
-        base, memmove = self._buf.ctypes.data, ctypes.memmove
-        for t, at, n in self._dense:
-            memmove(t.data_ptr(), base + at, n)
+        bases, memmove = [b.ctypes.data for b in self._bufs], ctypes.memmove
+        for t, b, at, n in self._dense:
+            memmove(t.data_ptr(), bases[b] + at, n)
         with torch.no_grad():
             for t, saved in self._other:
                 t.detach().copy_(saved)

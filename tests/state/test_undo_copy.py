@@ -1,12 +1,15 @@
 """FlatState.undo_copy / rollback: tensors of every kind get their contents back."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raydcp.state import UndoCopy, flatten_state
 
 
-def test_undo_copy_restores_dense_strided_empty_and_odd_dtypes():
+@pytest.mark.parametrize("pack", [UndoCopy.PACK_BYTES, 48], ids=["one-buffer", "several-buffers"])
+def test_undo_copy_restores_dense_strided_empty_and_odd_dtypes(monkeypatch, pack):
+    monkeypatch.setattr(UndoCopy, "PACK_BYTES", pack)
     base = torch.arange(24.0).reshape(4, 6)
     sd = {
         "dense": torch.arange(10, dtype=torch.int64),
@@ -22,6 +25,8 @@ def test_undo_copy_restores_dense_strided_empty_and_odd_dtypes():
     copies = flat.undo_copy(list(flat.tensors))
     assert isinstance(copies, UndoCopy)
     assert copies.nbytes == sum(v.nbytes for v in before.values())
+    # packed in flattening order: 80 bytes alone (over 48), then 14 + 3 + 4 + 16 (the view is copied apart)
+    assert len(copies._bufs) == (1 if pack > 1000 else 2)
     with torch.no_grad():
         for v in sd.values():
             v.zero_() if v.dtype != torch.bool else v.fill_(True)
