@@ -134,7 +134,8 @@ def test_commit_builds_sorted_chunk_tables_from_records():
     from raydcp.metadata_format import decode_metadata, encode_metadata
     from raydcp.planner import TensorSpec
 
-    from raydcp.engine.protocol import StorageRecord, tensor_metas
+    from raydcp.engine.protocol import tensor_metas
+    from raydcp.engine.records import StorageRecord
     tensors = {"w": TensorSpec("float32", (4, 2)), "b": TensorSpec("uint8", (3 * MIB,)),
                "s": TensorSpec("int64", ()), "e": TensorSpec("float32", (0, 3)), "b2": TensorSpec("uint8", (2 * MIB,))}
     records = [("w", (2, 0), (2, 2), "f1", 64, 16, 11, ()),

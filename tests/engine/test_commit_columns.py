@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 import raydcp
 from raydcp import CheckpointError, SaveOptions, Shard
-from raydcp.engine.protocol import StorageRecord, tensor_metas
+from raydcp.engine.protocol import tensor_metas
+from raydcp.engine.records import StorageRecord
 from raydcp.engine.save import local_save_plan, save_with
 from raydcp.metadata import BLOCK_BYTES, ChunkMeta, Metadata, TensorMeta
 from raydcp.metadata_format import encode_metadata
