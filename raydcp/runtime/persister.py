@@ -37,6 +37,7 @@ from ..engine.staging import StagingArena
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..options import AsyncOptions, SaveOptions
+from . import connection
 from .groups import next_operation
 from .ray_transport import RayTransport
 
@@ -171,11 +172,14 @@ class RayPersister:
 
 
 _PROCESS_PERSISTER: PersisterActor | None = None
+_PROCESS_SESSION = None  # the Ray session it was started in: its actor dies with that session
 
 
 def persister_for_this_process(nice: int = 19) -> PersisterActor:
-    """This process's persister actor, started on first use (at CPU priority step ``nice``)."""
-    global _PROCESS_PERSISTER
-    if _PROCESS_PERSISTER is None:
-        _PROCESS_PERSISTER = PersisterActor(nice)
+    """This process's persister actor, started on first use (at CPU priority step ``nice``), and
+    again after this process reconnected to Ray (:func:`raydcp.runtime.connection.session`)."""
+    global _PROCESS_PERSISTER, _PROCESS_SESSION
+    now = connection.session()
+    if _PROCESS_PERSISTER is None or _PROCESS_SESSION != now:
+        _PROCESS_PERSISTER, _PROCESS_SESSION = PersisterActor(nice), now
     return _PROCESS_PERSISTER

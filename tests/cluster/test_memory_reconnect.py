@@ -48,7 +48,9 @@ def test_memory_checkpoints_load_and_save_after_a_reconnect(cluster):
     assert _loaded(url)["step"] == 2
     # a group's operations reach the coordinator host of the cluster again, too
     group = raydcp.Group("reconnect", 0, 1)
-    raydcp.save(_state(3), url, group=group)
+    raydcp.async_save(_state(3), url, group=group).result(timeout=240)  # through this process's persister
     _reconnect(cluster)
     assert _loaded(url, group=group)["step"] == 3
+    raydcp.async_save(_state(4), url, group=group).result(timeout=240)  # a persister of the new session
+    assert _loaded(url, group=group)["step"] == 4
     assert dict(os.environ) == env
