@@ -138,3 +138,23 @@ def test_a_holder_killed_between_save_and_load_is_named_as_the_loss(name):
     whole = _blank()
     raydcp.load(whole, url)
     assert whole["seed"] == 4
+
+
+def test_a_holder_killed_during_a_save_is_named_not_a_node_that_left(name, monkeypatch):
+    import ray
+
+    write = RayMemFileSystem._write
+    killed = []
+
+    def killing(self, path, data, created_ns):
+        if not killed and is_data_file(path):  # the holder dies as the first data file is written
+            killed.append(path)
+            ray.kill(placement.holder(_node()), no_restart=True)
+        return write(self, path, data, created_ns)
+
+    monkeypatch.setattr(RayMemFileSystem, "_write", killing)
+    errors = run_ranks(2, lambda t: save_with(t, _state(t.rank, 5), f"raymem://{name}/ckpt", {}), timeout_s=120)[1]
+    assert killed and all(e is not None for e in errors), errors
+    text = str(errors[0])
+    assert "died (killed or crashed) though its node is alive" in text and _node() in text, text
+    assert "left the cluster" not in text and "nothing was committed" in text

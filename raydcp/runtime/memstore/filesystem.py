@@ -200,10 +200,13 @@ class RayMemFileSystem(AbstractFileSystem):
                 ray.exceptions.ObjectLostError) as exc:
             for n in nodes:
                 placement.forget(n, self._kind)
-            if again is not None and set(nodes) <= set(placement.alive_nodes()):
+            alive = set(placement.alive_nodes())
+            if again is not None and set(nodes) <= alive:
                 return self._gather(nodes, again(), what)
-            raise CheckpointError(f"could not {what}: a holder among nodes {nodes} was lost "
-                                  f"({type(exc).__name__}); the node may have left the cluster; nothing was "
+            left = [n for n in nodes if n not in alive]
+            happened = (f"node(s) {left} left the cluster" if left else
+                        f"a holder on node(s) {nodes} died (killed or crashed) though its node is alive")
+            raise CheckpointError(f"could not {what}: {happened} ({type(exc).__name__}); nothing was "
                                   "committed, save again") from None
 
     # the optional capacity protocol of raydcp.storage.capacity (raydcp.runtime.memstore.capacity)
