@@ -119,7 +119,7 @@ class TensorSource:
         out = {k: torch.empty(tensors[k].shape, dtype=dtype_from_name(tensors[k].dtype)) for k in keys}
         if out:
             load_with(LocalTransport(), out, self.checkpoint_id, strict=False, storage_options=self.storage_options,
-                      warn_skipped=False)  # a subset of the keys, on purpose
+                      warn_skipped=False, fresh=True)  # a subset of the keys, on purpose; new tensors: no undo copy
         named = {}
         for k in keys:
             t = out.pop(k)

@@ -177,7 +177,8 @@ def _load_pieces(source: TensorSource, group: list[tuple[str, Any]]):
         else:
             state[key] = Shard(torch.empty(tuple(c.sizes), dtype=dtype), tuple(c.offsets), tuple(t.shape))
     load_with(LocalTransport(), dict(state), source.checkpoint_id, strict=False, storage_options=source.storage_options,
-              warn_skipped=False)  # a group of the keys, on purpose: the others are not skipped, only later
+              warn_skipped=False, fresh=True)  # a group of the keys, on purpose (the others come later); new
+    # tensors, dropped if it fails: no undo copy
     for key, c in group:
         piece = state.pop(key)
         piece = piece.tensor if isinstance(piece, Shard) else piece

@@ -71,7 +71,8 @@ def run_round(transport: Transport, task: RoundTask) -> RoundRecords | None:
     transport.reduce_scatter("round: allocate", failure, _all_ok)
     # 2. load them
     load_with(transport, src_state, task.src, strict=False, storage_options=task.src_storage_options,
-              warn_skipped=False, options=LoadOptions(io=task.save_options.io))  # a round loads a subset on purpose
+              warn_skipped=False, options=LoadOptions(io=task.save_options.io),  # a round loads a subset on purpose
+              fresh=True)  # new pieces, dropped if it fails: no undo copy
     # 3. cast, and 4. save under the round keys, offsets relative to the part
     out = {}
     error = None
