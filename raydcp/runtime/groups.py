@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import ray
 
 from ..group import Group
+from .connection import session
 
 __all__ = ["Caller", "Operation", "next_operation", "this_caller"]
 
@@ -52,7 +53,7 @@ class Operation(NamedTuple):
 _lock = threading.Lock()
 _NEXT: dict[tuple[str, int], int] = {}  # (group name, rank) -> the number of its next operation
 _ID = uuid.uuid4().hex
-_ALIVE: tuple[str, Any] | None = None  # (the Ray worker it was put from, the ObjectRef)
+_ALIVE: tuple[Any, Any] | None = None  # (the Ray session it was put in, the ObjectRef)
 
 
 def this_caller(*, ray_group: bool = True) -> Caller:
@@ -61,10 +62,10 @@ def this_caller(*, ray_group: bool = True) -> Caller:
     if not ray_group or not ray.is_initialized():
         return Caller(_ID)
     global _ALIVE
-    worker = ray.get_runtime_context().get_worker_id()  # a new connection to Ray needs a new object
+    now = session()  # an object belongs to the session it was put in: a new connection puts another
     with _lock:
-        if _ALIVE is None or _ALIVE[0] != worker:
-            _ALIVE = (worker, ray.put(_ID))
+        if _ALIVE is None or _ALIVE[0] != now:
+            _ALIVE = (now, ray.put(_ID))
         return Caller(_ID, _ALIVE[1])
 
 
