@@ -2,7 +2,7 @@
 from .boxes import byte_runs, intersect, merge_runs, numel
 from .load import check_requests, plan_load, stored_sources
 from .save import SavePlanOptions, plan_save
-from .tables import chunk_tables
+from .commit_tables import chunk_tables
 from .tiling import piece_problems, require_tiling, tiling_problems, untiled
 from .transfer import plan_transfer
 from .types import *  # noqa: F401,F403

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def _dim_range(key: np.ndarray, piece_dim: np.ndarray, k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+def dim_range(key: np.ndarray, piece_dim: np.ndarray, k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Per key (0 .. k-1), the least and the greatest ``piece_dim`` below ``width`` of its pieces
     (``width`` and -1 where none). ``piece_dim`` takes few values (-1 .. width): one count of the
     (key, value) pairs does it, where ``np.minimum.at`` would take ten times as long."""
@@ -20,7 +20,7 @@ def _dim_range(key: np.ndarray, piece_dim: np.ndarray, k: int, width: int) -> tu
     return dmin, dmax
 
 
-def _rank_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def rank_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Per rank, the sum of ``values`` over its pieces ``starts[r]:starts[r + 1]`` (summed in place)."""
     np.cumsum(values, out=values)
     ends = np.zeros(len(starts), np.int64)
@@ -29,21 +29,21 @@ def _rank_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.diff(ends)
 
 
-def _rows_all(m: np.ndarray) -> np.ndarray:
+def rows_all(m: np.ndarray) -> np.ndarray:
     out = m[:, 0].copy()
     for j in range(1, m.shape[1]):
         out &= m[:, j]
     return out
 
 
-def _rows_prod(m: np.ndarray) -> np.ndarray:
+def rows_prod(m: np.ndarray) -> np.ndarray:
     out = m[:, 0].copy()
     for j in range(1, m.shape[1]):
         out *= m[:, j]
     return out
 
 
-def _order(cols: list[np.ndarray]) -> np.ndarray:
+def stable_order(cols: list[np.ndarray]) -> np.ndarray:
     """Stable order by ``cols`` (the first the most significant) of integer arrays: one sort of a
     packed key where they are non-negative and fit in 63 bits together, ``np.lexsort`` otherwise.
     Pieces arrive rank after rank, each rank's in order, so the packed key is a few sorted runs
@@ -61,11 +61,11 @@ def _order(cols: list[np.ndarray]) -> np.ndarray:
 
 
 def sorted_runs(cols: list[np.ndarray], runs: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """``order = _order(cols)`` and ``[c[order] for c in cols]``, where the rows may come as
+    """``order = stable_order(cols)`` and ``[c[order] for c in cols]``, where the rows may come as
     ``runs`` runs of one length that list the same distinct keys (``cols[0]``) in the same order:
     every rank's pieces of every tensor, rank after rank. The order by key is then the runs read
     column by column, with no sort; it is the order by all ``cols`` where each key's rows, so
-    read, are already sorted by the other columns (checked; ``_order`` otherwise). Ties keep the
+    read, are already sorted by the other columns (checked; ``stable_order`` otherwise). Ties keep the
     runs' order, as the stable sort does: a key's rows are in one column, run after run."""
     key, n = cols[0], len(cols[0])
     if runs > 1 and n and n % runs == 0:
@@ -84,23 +84,23 @@ def sorted_runs(cols: list[np.ndarray], runs: int) -> tuple[np.ndarray, list[np.
                 tied &= c[1:] == c[:-1]
             else:
                 return order, out
-    order = _order(cols)
+    order = stable_order(cols)
     if n and (order[1:] - order[:-1] == 1).all():  # in order already (one rank's pieces): no copies
         return order, list(cols)
     return order, [np.take(c, order) for c in cols]
 
 
-def _take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def take_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``a[rows]`` for a 2-D array (np.take copies whole rows, many times faster than fancy indexing)."""
     return np.take(a, rows, axis=0)
 
 
-def _pick(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+def take_cells(a: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """``a[rows, cols]`` of a C-contiguous 2-D array, through its flat view."""
     return np.take(a.reshape(-1), rows * a.shape[1] + cols)
 
 
-def _stack_items(cols: list, kid: dict[str, int], width: int) -> tuple[np.ndarray, ...]:
+def stack_items(cols: list, kid: dict[str, int], width: int) -> tuple[np.ndarray, ...]:
     """Every rank's items (``ItemColumns``) in one set of arrays, allocated once: ``(key, offsets,
     sizes, ndim, starts)``. ``key`` is the global key id (-1 for a key not in ``kid``); boxes of
     fewer than ``width`` dimensions are padded with offset 0, size 1; rank r's items are rows

@@ -11,7 +11,7 @@ from .boxes import intersect
 from .types import SourceChunk
 
 
-class _ChunkIndex:
+class ChunkIndex:
     """The chunks of one tensor sorted along the dimension they are split most along, so the
     chunks a box may overlap are found by bisection instead of a scan of every chunk."""
 
@@ -36,7 +36,7 @@ class _ChunkIndex:
         return self.order[first:last]
 
 
-def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
+def general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
     """(request, chunk) pairs that overlap, for keys whose chunks are not split along one dimension."""
     out_q, out_c = [], []
     indexes: dict[int, tuple] = {}
@@ -47,7 +47,7 @@ def _general_pairs(reqs, q_key, q_off, q_size, s_off, s_size, cstart, c_live):
             a, b = int(cstart[k]), int(cstart[k + 1])
             live = [c for c in range(a, b) if c_live[c]]
             boxes = [(tuple(s_off[c].tolist()), tuple(s_size[c].tolist())) for c in live]
-            ix = indexes[k] = (live, boxes, _ChunkIndex([_Box(o, s) for o, s in boxes]))
+            ix = indexes[k] = (live, boxes, ChunkIndex([_Box(o, s) for o, s in boxes]))
         live, boxes, index = ix
         qo, qs = tuple(q_off[q].tolist()), tuple(q_size[q].tolist())
         for ci in index.candidates(qo, qs):

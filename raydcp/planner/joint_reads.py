@@ -14,7 +14,7 @@ SPLIT_MIN_BYTES = 1 << 20
 MAX_JOINT_RUNS = 16  # byte runs one rank may read of a split chunk
 
 
-def _splits(rank_runs: Mapping[int, list], nbytes: int) -> bool:
+def splits_jointly(rank_runs: Mapping[int, list], nbytes: int) -> bool:
     """Whether the byte runs the ranks need of one chunk overlap nowhere across ranks and
     together cover the whole chunk (so every checksum block is verified by its readers)."""
     merged = [merge_runs(runs) for runs in rank_runs.values()]
@@ -24,7 +24,7 @@ def _splits(rank_runs: Mapping[int, list], nbytes: int) -> bool:
         merge_runs([r for runs in merged for r in runs]) == [(0, nbytes)]
 
 
-def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes,
+def split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes,
                         s_off, s_size, s_key, nd_key, isz):
     """Regroup the pairs of every large stored chunk that several ranks need in disjoint parts
     covering it: one group per rank (in the order the ranks first appear), so each rank reads its
@@ -46,7 +46,7 @@ def _split_large_chunks(sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live
         for x, r, o, z in zip(grp.tolist(), ranks.tolist(), glo.tolist(), gsz.tolist()):
             by_rank.setdefault(r, []).append(x)
             runs.setdefault(r, []).extend(byte_runs(co, cs, tuple(o[:nd]), tuple(z[:nd]), int(isz[k])))
-        if _splits(runs, int(s_nbytes[c])):
+        if splits_jointly(runs, int(s_nbytes[c])):
             splits[j] = list(by_rank.values())
     if not splits:
         return sp, sp_heads, sp_chunk, sp_count, np.zeros(len(sp_heads), bool)

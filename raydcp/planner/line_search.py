@@ -2,16 +2,16 @@
 
 The chunks of every tensor split along one dimension lie on one line, key after key, sorted and
 disjoint; a request is a range [lo, hi) on it. Its chunks are those from the first that ends past
-lo to the last that starts before hi: two binary searches over the line (:func:`_line_search`),
+lo to the last that starts before hi: two binary searches over the line (:func:`line_search`),
 or, where every key's chunks are even (``torch.chunk``'s and DTensor's row shards), a division
-(:func:`_even_search`).
+(:func:`even_search`).
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-def _line_search(line_start, line_end, lo, hi, end: int):
+def line_search(line_start, line_end, lo, hi, end: int):
     """Per request [lo, hi) on the line: the first chunk that ends past lo, and the number of
     chunks that start before hi (two binary searches over the line)."""
     if end < 1 << 31:  # the binary searches on half the memory
@@ -29,8 +29,8 @@ def _line_search(line_start, line_end, lo, hi, end: int):
     return first, n_c
 
 
-def _even_search(a, on_line, line_start, line_end, base, span, k1, lo, hi):
-    """What :func:`_line_search` finds, by arithmetic, where every key's chunks on the line are even:
+def even_search(a, on_line, line_start, line_end, base, span, k1, lo, hi):
+    """What :func:`line_search` finds, by arithmetic, where every key's chunks on the line are even:
     chunk j of a key starts at j times the first one's length and is that long, the last one
     maybe shorter (``torch.chunk``'s and DTensor's row shards). None where some key's are not."""
     nkeys, n = a.nkeys, len(line_start)

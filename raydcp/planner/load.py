@@ -21,10 +21,11 @@ from typing import Any, Mapping, Sequence
 from ..errors import CheckpointDamagedError, CheckpointError, StateMismatchError
 from ..metadata import ChunkColumns, ChunkTable
 from .boxes import byte_runs, intersect, merge_runs, numel
+from .chunk_index import ChunkIndex
+from .joint_reads import SPLIT_MIN_BYTES, splits_jointly
+from .load_arrays import plan_load_columns, shown_keys
+from .sources import StoredSources
 from .tiling import require_tiling
-from .chunk_index import _ChunkIndex
-from .joint_reads import SPLIT_MIN_BYTES, _splits
-from .load_arrays import _names, _plan_load_columns, _shared_columns, _StoredSources  # noqa: F401
 from .types import ChunkRead, Delivery, LocalLoadPlan, RankLoadPlan, SourceChunk, StoredChunks, TensorSpec
 
 __all__ = ["plan_load", "check_requests", "stored_sources", "untiled_sources", "SPLIT_MIN_BYTES"]
@@ -84,9 +85,9 @@ def _check_requests(
         return
     parts = []
     if missing:
-        parts.append(f"missing from the checkpoint ({len(missing)}): {_names(sorted(missing))}")
+        parts.append(f"missing from the checkpoint ({len(missing)}): {shown_keys(sorted(missing))}")
     if unexpected:
-        parts.append(f"in the checkpoint but not in the state dict ({len(unexpected)}): {_names(unexpected)}")
+        parts.append(f"in the checkpoint but not in the state dict ({len(unexpected)}): {shown_keys(unexpected)}")
     if mismatched:
         parts.append("mismatched:\n    " + "\n    ".join(mismatched[k] for k in sorted(mismatched)))
     hint = " (pass strict=False to load only the keys both have)" if (missing or unexpected) and not mismatched else ""
@@ -126,7 +127,7 @@ def stored_sources(md) -> Mapping[str, StoredChunks]:
 def untiled_sources(md) -> Mapping[str, StoredChunks]:
     """:func:`stored_sources` without the tiling check."""
     if isinstance(getattr(md.tensors, "columns", None), ChunkColumns):
-        return _StoredSources(md.tensors)
+        return StoredSources(md.tensors)
     return {key: StoredChunks(key, t.dtype, ChunkTable.from_chunks(t.chunks, len(t.shape)))
             for key, t in md.tensors.items()}
 
@@ -154,11 +155,11 @@ def plan_load(
     raises): on the arrays the plan lays out anyway where ``sources`` are ``stored_sources``'s
     columns of a decoded checkpoint, on its own otherwise.
     """
-    on_line = tiles is not None and isinstance(sources, _StoredSources) and sources.tensors is tiles \
+    on_line = tiles is not None and isinstance(sources, StoredSources) and sources.tensors is tiles \
         and hasattr(tiles, "shapes")
     if tiles is not None and not on_line:
         require_tiling(tiles)
-    planned = _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads, tiles if on_line else None)
+    planned = plan_load_columns(sources, local_plans, values, itemsizes, joint_reads, tiles if on_line else None)
     if planned is not None:
         return planned
     if on_line:  # the array path stopped before its check
@@ -179,7 +180,7 @@ def _plan_load_objects(
     wanted: dict[tuple[str, int], list[Delivery]] = defaultdict(list)
     chunk_of: dict[tuple[str, int], SourceChunk] = {}
     needed = [0] * world
-    index = {key: _ChunkIndex(chunks) for key, chunks in sources.items()}
+    index = {key: ChunkIndex(chunks) for key, chunks in sources.items()}
     for lp in local_plans:
         for idx, it in enumerate(lp.items):
             ix = index.get(it.key)
@@ -202,7 +203,7 @@ def _plan_load_objects(
                    if it.key in sources and covered[(lp.rank, idx)] != numel(it.sizes)})
     if gaps:
         raise CheckpointDamagedError(
-            f"the stored pieces of {_names(gaps)} do not cover the tensor exactly (a gap or an overlap); "
+            f"the stored pieces of {shown_keys(gaps)} do not cover the tensor exactly (a gap or an overlap); "
             f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
 
     load = [0] * world
@@ -216,7 +217,7 @@ def _plan_load_objects(
         by_rank: dict[int, list[Delivery]] = {}
         for d in dels:
             by_rank.setdefault(d.rank, []).append(d)
-        if joint_reads and ch.holders is None and ch.nbytes >= SPLIT_MIN_BYTES and len(by_rank) > 1 and _splits(
+        if joint_reads and ch.holders is None and ch.nbytes >= SPLIT_MIN_BYTES and len(by_rank) > 1 and splits_jointly(
                 {r: [x for d in ds for x in byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, itemsizes[ch.key])]
                  for r, ds in by_rank.items()}, ch.nbytes):
             parts += [(ch, ds, True) for ds in by_rank.values()]

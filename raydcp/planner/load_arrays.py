@@ -13,23 +13,24 @@ import numpy as np
 
 from ..errors import CheckpointDamagedError
 from ..metadata import ChunkTable
+from .arrays import dim_range, rows_all, rows_prod, stack_items, take_cells, take_rows
 from .boxes import byte_runs, merge_runs
-from .sources import _columns_arrays, _shared_columns, _StoredSources, _table_arrays
-from .arrays import _dim_range, _pick, _rows_all, _rows_prod, _stack_items, _take
-from .chunk_index import _general_pairs
-from .joint_reads import _split_large_chunks
-from .line_search import _even_search, _line_search
+from .chunk_index import general_pairs
+from .joint_reads import split_large_chunks
+from .line_search import even_search, line_search
 from .load_tiling import check_line_tiling
-from .read_tables import _read_tables
+from .read_tables import read_tables
+from .sources import StoredSources, columns_arrays, shared_columns, table_arrays
 from .types import RankLoadPlan, StoredChunks
 
 
-def _names(keys: list[str], limit: int = 20) -> str:
+def shown_keys(keys: list[str], limit: int = 20) -> str:
+    """``keys`` for an error message: the first ``limit`` of them, and how many more there are."""
     shown = ", ".join(keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool = True,
+def plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool = True,
                        tiles=None) -> list[RankLoadPlan] | None:
     """The array path of :func:`raydcp.planner.plan_load`, or None where the general path must decide.
 
@@ -38,8 +39,8 @@ def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: boo
     request and chunk that overlap (:func:`_overlapping_pairs`) and the part each delivers
     (:func:`_needed_parts`, which checks the parts cover every request exactly); one reader per
     needed chunk (:func:`_assign_readers`); each rank's reads in order (:func:`_order_reads`);
-    and the per-rank plans (:func:`.read_tables._read_tables`). ``tiles``: the ``TensorMetas`` of a decoded
-    checkpoint whose chunks ``sources`` are (a ``_StoredSources`` over it), checked to tile their
+    and the per-rank plans (:func:`.read_tables.read_tables`). ``tiles``: the ``TensorMetas`` of a decoded
+    checkpoint whose chunks ``sources`` are (a ``StoredSources`` over it), checked to tile their
     tensors on the line the overlap search lays out (:mod:`.load_tiling`).
     """
     world = len(local_plans)
@@ -60,11 +61,11 @@ def _plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: boo
     _needed_parts(a)
     _assign_readers(a)
     _order_reads(a)
-    return _read_tables(a)
+    return read_tables(a)
 
 
 class _Arrays(SimpleNamespace):
-    """The columns the phases of :func:`_plan_load_columns` share: each phase reads the names it
+    """The columns the phases of :func:`plan_load_columns` share: each phase reads the names it
     needs and adds those it makes (``s_*``: source chunks, ``q_*``: requests, ``p_*``: pairs of
     request and chunk, ``sp_*``: the chunks several ranks need, grouped)."""
 
@@ -77,7 +78,7 @@ def _source_arrays(a: _Arrays) -> bool:
     itemsizes, keys, lcols, nkeys, sources = a.itemsizes, a.keys, a.lcols, a.nkeys, a.sources
     tables: list | None = None  # per key: a ChunkTable (stored) or a list of SourceChunk
     stored = True
-    if isinstance(sources, _StoredSources):  # decoded metadata: its columns, as they are
+    if isinstance(sources, StoredSources):  # decoded metadata: its columns, as they are
         shared = sources.tensors.columns
         counts = np.diff(shared.rows)
         nd_key = np.array(shared.ndim, np.int64)
@@ -103,17 +104,17 @@ def _source_arrays(a: _Arrays) -> bool:
                     return False
                 if objs:
                     nd_key[i] = nds.pop()
-        shared = _shared_columns(tables, nd_key) if stored and nkeys else None
+        shared = shared_columns(tables, nd_key) if stored and nkeys else None
     nchunks = int(counts.sum())
     cstart = np.zeros(nkeys + 1, np.int64)
     np.cumsum(counts, out=cstart[1:])
     width = max([1, int(nd_key.max()) if nkeys else 1, *(c.offsets.shape[1] for c in lcols)])
     if shared is not None:  # every key's chunks are rows of one ChunkColumns: take its arrays whole
         s_off, s_size, s_nbytes, ext, files, s_file, s_boff, s_crc, s_bstart, s_blen, block_arrays = \
-            _columns_arrays(shared, counts, cstart, width)
+            columns_arrays(shared, counts, cstart, width)
     else:
         s_off, s_size, s_nbytes, ext, files, s_file, s_boff, s_crc, s_bstart, s_blen, block_arrays = \
-            _table_arrays(tables, stored, counts, cstart, nd_key, width)
+            table_arrays(tables, stored, counts, cstart, nd_key, width)
         if s_off is None:
             return False
     s_key = np.repeat(np.arange(nkeys), counts)
@@ -129,7 +130,7 @@ def _request_arrays(a: _Arrays) -> bool:
     """The requests of every rank, concatenated: key, box, rank, index in the rank's plan and
     element count. False where a request disagrees with its key's dimensions or is malformed."""
     kid, lcols, nd_key, width, world = a.kid, a.lcols, a.nd_key, a.width, a.world
-    q_key, q_off, q_size, q_nd, qstart = _stack_items(lcols, kid, width)
+    q_key, q_off, q_size, q_nd, qstart = stack_items(lcols, kid, width)
     nq = len(q_key)
     qcount = np.diff(qstart)
     q_rank = np.repeat(np.arange(world), qcount)
@@ -138,7 +139,7 @@ def _request_arrays(a: _Arrays) -> bool:
     kk = q_key[known]
     if ((q_nd[known] != nd_key[kk]) & (nd_key[kk] >= 0)).any() or (q_nd < 0).any() or (q_size < 0).any():
         return False
-    q_numel = _rows_prod(q_size)
+    q_numel = rows_prod(q_size)
     a.kk, a.known, a.nq, a.q_item, a.q_key, a.q_numel = kk, known, nq, q_item, q_key, q_numel
     a.q_off, a.q_rank, a.q_size = q_off, q_rank, q_size
     return True
@@ -149,7 +150,7 @@ def _overlapping_pairs(a: _Arrays) -> None:
 
     Keys whose chunks are split along one dimension (the usual case) are laid on one line, key
     after key, and found by two binary searches per request; the others ("general": chunks split
-    along several dimensions, or overlapping on the line) box by box (:func:`_general_pairs`)."""
+    along several dimensions, or overlapping on the line) box by box (:func:`general_pairs`)."""
     cstart, ext, kk, known, nchunks, nkeys = a.cstart, a.ext, a.kk, a.known, a.nchunks, a.nkeys
     nq, q_key, q_off, q_size, s_key, s_off = a.nq, a.q_key, a.q_off, a.q_size, a.s_key, a.s_off
     s_size, width = a.s_size, a.width
@@ -170,7 +171,7 @@ def _overlapping_pairs(a: _Arrays) -> None:
     del e, b1, b2
     piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, not_full, -1))
     piece_dim[~c_live] = width
-    dmin, dmax = _dim_range(s_key, piece_dim, nkeys, width)
+    dmin, dmax = dim_range(s_key, piece_dim, nkeys, width)
     general = (dmin < 0) | ((dmax >= 0) & (dmax != dmin))
     key_dim = np.where(dmin >= width, 0, np.maximum(dmin, 0))
     span = ext[np.arange(nkeys), key_dim]
@@ -188,8 +189,8 @@ def _overlapping_pairs(a: _Arrays) -> None:
     else:
         on_line = np.flatnonzero(on_key)
         d_of = key_dim[s_key[on_line]]
-        line_start = base[s_key[on_line]] + _pick(s_off, on_line, d_of)
-        line_len = _pick(s_size, on_line, d_of)
+        line_start = base[s_key[on_line]] + take_cells(s_off, on_line, d_of)
+        line_len = take_cells(s_size, on_line, d_of)
         del d_of
     del on_key
     if len(line_start) and (line_start[1:] < line_start[:-1]).any():  # stored chunks usually come sorted
@@ -207,7 +208,7 @@ def _overlapping_pairs(a: _Arrays) -> None:
 
     a.base, a.c_live, a.general, a.key_dim = base, c_live, general, key_dim
     a.line_all, a.line_end, a.line_start, a.on_line = line_all, line_end, line_start, on_line
-    q_live = known & _rows_all(q_size > 0)
+    q_live = known & rows_all(q_size > 0)
     q_general = np.zeros(nq, bool)
     q_general[known] = general[kk]
     q1 = np.flatnonzero(q_live & ~q_general)
@@ -220,7 +221,7 @@ def _overlapping_pairs(a: _Arrays) -> None:
         if not all_q1:
             q1_off, q1_size = q1_off[q1], q1_size[q1]
     else:
-        q1_off, q1_size = _pick(q_off, q1, d1), _pick(q_size, q1, d1)
+        q1_off, q1_size = take_cells(q_off, q1, d1), take_cells(q_size, q1, d1)
     sk, bk = span[k1], base[k1]
     lo = np.clip(q1_off, 0, sk)
     lo += bk
@@ -228,11 +229,11 @@ def _overlapping_pairs(a: _Arrays) -> None:
     np.clip(hi, 0, sk, out=hi)
     hi += bk
     del sk, bk
-    found = _even_search(a, on_line, line_start, line_end, base, span, k1, lo, hi)
+    found = even_search(a, on_line, line_start, line_end, base, span, k1, lo, hi)
     if found is not None:
         first, n_c = found
     else:
-        first, n_c = _line_search(line_start, line_end, lo, hi, int(base[-1] + span[-1]) if nkeys else 0)
+        first, n_c = line_search(line_start, line_end, lo, hi, int(base[-1] + span[-1]) if nkeys else 0)
     del lo, hi
     n_c -= first
     np.maximum(n_c, 0, out=n_c)
@@ -249,7 +250,7 @@ def _overlapping_pairs(a: _Arrays) -> None:
         p_c = on_line[p_c]
     gen_q = np.flatnonzero(q_live & q_general)
     if len(gen_q):
-        gq, gc = _general_pairs(gen_q, q_key, q_off, q_size, s_off, s_size, cstart, c_live)
+        gq, gc = general_pairs(gen_q, q_key, q_off, q_size, s_off, s_size, cstart, c_live)
         p_q, p_c = np.concatenate([p_q, gq]), np.concatenate([p_c, gc])
     a.all_q1, a.d0, a.d1, a.gen_q, a.k1, a.n_c = all_q1, d0, d1, gen_q, k1, n_c
     a.p_c, a.p_q, a.q1, a.q1_off, a.q1_size = p_c, p_q, q1, q1_off, q1_size
@@ -296,7 +297,7 @@ def _needed_parts(a: _Arrays) -> None:
             if d0 is not None:
                 c_lo, c_hi = np.take(s_off[:, d0], p_c), np.take(s_size[:, d0], p_c)
             else:
-                c_lo, c_hi = _pick(s_off, p_c, p_d), _pick(s_size, p_c, p_d)
+                c_lo, c_hi = take_cells(s_off, p_c, p_d), take_cells(s_size, p_c, p_d)
             c_hi += c_lo
         q_lo = np.repeat(q1_off, n_c)
         q_hi = np.repeat(q1_size, n_c)
@@ -314,32 +315,32 @@ def _needed_parts(a: _Arrays) -> None:
 
         def boxes(sel):
             rows = p_q if sel is None else p_q[sel]
-            lo, sz = _take(q_off, rows), _take(q_size, rows)
+            lo, sz = take_rows(q_off, rows), take_rows(q_size, rows)
             at = np.arange(len(rows)) * width + (p_d if sel is None else p_d[sel])
             lo.reshape(-1)[at] = lo_d if sel is None else lo_d[sel]
             sz.reshape(-1)[at] = sz_d if sel is None else sz_d[sel]
             return lo, sz
     else:
-        qo, co = _take(q_off, p_q), _take(s_off, p_c)
+        qo, co = take_rows(q_off, p_q), take_rows(s_off, p_c)
         box_lo = np.maximum(qo, co)
-        box_sz = np.minimum(qo + _take(q_size, p_q), co + _take(s_size, p_c)) - box_lo
+        box_sz = np.minimum(qo + take_rows(q_size, p_q), co + take_rows(s_size, p_c)) - box_lo
         del qo, co
-        ok = _rows_all(box_sz > 0)
+        ok = rows_all(box_sz > 0)
         if not ok.all():
             keep = np.flatnonzero(ok)
-            p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], _take(box_lo, keep), _take(box_sz, keep)
-        p_numel = _rows_prod(box_sz)
+            p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], take_rows(box_lo, keep), take_rows(box_sz, keep)
+        p_numel = rows_prod(box_sz)
         p_key = None
         p_bytes = p_numel * isz[s_key[p_c]]
 
         def boxes(sel):
-            return (box_lo, box_sz) if sel is None else (_take(box_lo, sel), _take(box_sz, sel))
+            return (box_lo, box_sz) if sel is None else (take_rows(box_lo, sel), take_rows(box_sz, sel))
     covered = np.bincount(p_q, weights=p_numel, minlength=nq) if len(p_q) else np.zeros(nq)
     gaps = known & (covered != q_numel)
     if gaps.any():
         names = sorted({keys[k] for k in q_key[gaps].tolist()})
         raise CheckpointDamagedError(
-            f"the stored pieces of {_names(names)} do not cover the tensor exactly (a gap or an overlap); "
+            f"the stored pieces of {shown_keys(names)} do not cover the tensor exactly (a gap or an overlap); "
             f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
     p_rank = q_rank[p_q]
     a.boxes, a.p_bytes, a.p_c, a.p_numel, a.p_q, a.p_rank = boxes, p_bytes, p_c, p_numel, p_q, p_rank
@@ -351,7 +352,7 @@ def _assign_readers(a: _Arrays) -> None:
 
     A chunk one request needs (the common case) is read by the rank that needs it; the others
     ("special": several deliveries, or a live chunk) are grouped by chunk, large stored chunks
-    needed in disjoint parts are split into joint reads (:func:`_split_large_chunks`), and the
+    needed in disjoint parts are split into joint reads (:func:`split_large_chunks`), and the
     rest go largest first to the rank they cost least."""
     boxes, cstart, isz, nchunks, nd_key, p_bytes = a.boxes, a.cstart, a.isz, a.nchunks, a.nd_key, a.p_bytes
     p_c, p_numel, p_rank, s_key, s_nbytes, s_off = a.p_c, a.p_numel, a.p_rank, a.s_key, a.s_nbytes, a.s_off
@@ -383,7 +384,7 @@ def _assign_readers(a: _Arrays) -> None:
     sp_count = np.diff(np.append(sp_heads, len(sp)))
     sp_joint = np.zeros(len(sp_heads), bool)
     if len(sp_heads) and a.joint_reads:
-        sp, sp_heads, sp_chunk, sp_count, sp_joint = _split_large_chunks(
+        sp, sp_heads, sp_chunk, sp_count, sp_joint = split_large_chunks(
             sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes, s_off, s_size, s_key, nd_key, isz)
     sp_reader = np.full(len(sp_heads), -1, np.int64)
     sp_nread = np.zeros(len(sp_heads), np.int64)

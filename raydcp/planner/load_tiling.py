@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CheckpointDamagedError
-from .tiling import _extents, require_tiling, untiled
+from .tiling import require_tiling, shape_extents, untiled
 
 
 def check_line_tiling(a, tensors) -> None:
@@ -28,7 +28,7 @@ def check_line_tiling(a, tensors) -> None:
     if not k or any(len(s) > width for s in shapes):
         require_tiling(tensors)
         return
-    shape_ext, expect, big = _extents(shapes, width)
+    shape_ext, expect, big = shape_extents(shapes, width)
     slow = big | a.general | (a.nd_key != np.fromiter(map(len, shapes), np.int64, k))
     has_live = np.bincount(a.s_key[a.c_live], minlength=k) > 0
     slow |= has_live & (a.ext != shape_ext).any(axis=1)  # some chunk lies past the tensor's end

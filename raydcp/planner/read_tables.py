@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..metadata import ChunkTable
-from .arrays import _take
+from .arrays import take_rows
 from .types import PackedNames, RankLoadPlan, ReadTable, StoredChunks
 
 
-def _read_tables(a) -> list[RankLoadPlan]:
+def read_tables(a) -> list[RankLoadPlan]:
     """Every rank's :class:`RankLoadPlan`: its reads as one :class:`ReadTable` (columns sliced
     from the reads of all ranks), what it receives, its plain values and byte counts. ``a``: the
     columns of the planner's earlier phases (:class:`.load_arrays._Arrays`)."""
@@ -26,7 +26,7 @@ def _read_tables(a) -> list[RankLoadPlan]:
     if whole and pairs is None and a.p_key is not None:  # read i is pair i, its part the whole chunk:
         key, (off, size) = a.p_key, boxes(None)  # key and box from the requests' columns, in order
     else:
-        key, off, size = s_key[rchunk], _take(s_off, rchunk), _take(s_size, rchunk)
+        key, off, size = s_key[rchunk], take_rows(s_off, rchunk), take_rows(s_size, rchunk)
     cols = {"key": key, "offsets": off, "sizes": size,
             "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
             "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,

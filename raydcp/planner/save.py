@@ -8,12 +8,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import CheckpointError, StateMismatchError
-from .arrays import _dim_range, _rank_sums, sorted_runs, _stack_items
+from .arrays import dim_range, rank_sums, sorted_runs, stack_items
 from .boxes import numel
 from .tiling import piece_problems
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
 
-__all__ = ["SavePlanOptions", "plan_save"]
+__all__ = ["SavePlanOptions", "plan_save", "agree_on_tensors", "agree_on_values"]
 
 ALIGN = 64  # every piece starts at a multiple of this in its file (mmap- and SIMD-friendly)
 
@@ -40,7 +40,7 @@ def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = S
         if lp.rank != i:
             raise CheckpointError(f"local plans out of order: position {i} holds rank {lp.rank}")
     tensors = _agree_fast(local_plans)
-    values = _agree_on_values(local_plans, tensors)
+    values = agree_on_values(local_plans, tensors)
     save_id = options.save_id or uuid.uuid4().hex[:16]
     planned = _plan_columns(local_plans, tensors, values, options, save_id)
     if planned is not None:
@@ -49,14 +49,14 @@ def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = S
 
 
 def _agree_fast(local_plans: Sequence[LocalSavePlan]) -> dict[str, TensorSpec]:
-    """``_agree_on_tensors``, comparing whole signatures where every rank describes the same tensors."""
+    """``agree_on_tensors``, comparing whole signatures where every rank describes the same tensors."""
     cols = [getattr(lp, "columns", None) for lp in local_plans]
     if cols and all(c is not None for c in cols):
         first = cols[0].signature
         if all(c.signature == first for c in cols):
             lp0 = local_plans[0]
             return {key: lp0.tensors[key] for key in sorted(lp0.tensors)}
-    return _agree_on_tensors(local_plans)
+    return agree_on_tensors(local_plans)
 
 
 def _plan_objects(local_plans: Sequence[LocalSavePlan], tensors: dict[str, TensorSpec], values: dict[str, Any],
@@ -132,7 +132,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
 
     # every rank's items, concatenated: global key id, rank, index in its plan, box, bytes, checksum
     kid = {key: i for i, key in enumerate(keys)}
-    g, off, size, ndim, starts = _stack_items(cols, kid, width)
+    g, off, size, ndim, starts = stack_items(cols, kid, width)
     n = len(g)
     counts = np.diff(starts)
     if (g < 0).any():
@@ -191,7 +191,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         nfull, not_full = nfull[idx], not_full[idx]
     piece_dim = np.where(nfull == width, width, np.where(nfull == width - 1, not_full, -1))
     del nfull, not_full
-    dmin, dmax = _dim_range(gi, piece_dim, k, width)
+    dmin, dmax = dim_range(gi, piece_dim, k, width)
     general = (dmin < 0) | ((dmax >= 0) & (dmax != dmin))
     key_dim = np.where(dmin >= width, 0, np.maximum(dmin, 0))
 
@@ -236,7 +236,7 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
     writers = [rows if unique else rows[heads[sizes_of == 1]]]
     is_writer = np.zeros(n, bool)
     is_writer[writers[0]] = True
-    load = _rank_sums(np.multiply(nbytes, is_writer), starts)
+    load = rank_sums(np.multiply(nbytes, is_writer), starts)
     groups: list[tuple[int, int, int, list[int]]] = []  # (nbytes, tensor, first position, holders)
     multi = np.flatnonzero(sizes_of > 1)
     if len(multi):
@@ -348,7 +348,7 @@ def _pack_columns(save_id: str, rank: int, items: np.ndarray, nbytes: np.ndarray
     return FileTable(names, items, offsets, bounds)
 
 
-def _agree_on_tensors(local_plans: Sequence[LocalSavePlan]) -> dict[str, TensorSpec]:
+def agree_on_tensors(local_plans: Sequence[LocalSavePlan]) -> dict[str, TensorSpec]:
     seen: dict[str, dict[TensorSpec, list[int]]] = {}
     for lp in local_plans:
         for key, spec in lp.tensors.items():
@@ -367,7 +367,7 @@ def _agree_on_tensors(local_plans: Sequence[LocalSavePlan]) -> dict[str, TensorS
     return {key: next(iter(v)) for key, v in sorted(seen.items())}
 
 
-def _agree_on_values(local_plans: Sequence[LocalSavePlan], tensors: dict[str, TensorSpec]) -> dict[str, Any]:
+def agree_on_values(local_plans: Sequence[LocalSavePlan], tensors: dict[str, TensorSpec]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     first: dict[str, int] = {}
     bad = []

@@ -1,8 +1,8 @@
 """The source chunks of a load as the arrays the load planner works on.
 
 A decoded checkpoint's chunks are rows of one :class:`~raydcp.metadata.ChunkColumns`, taken whole
-(:func:`_columns_arrays`); other sources (tables of several metadata, live pieces as
-:class:`~raydcp.planner.SourceChunk` objects) are copied table by table (:func:`_table_arrays`).
+(:func:`columns_arrays`); other sources (tables of several metadata, live pieces as
+:class:`~raydcp.planner.SourceChunk` objects) are copied table by table (:func:`table_arrays`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..metadata import ChunkTable
 from .types import StoredChunks
 
 
-class _StoredSources(Mapping):
+class StoredSources(Mapping):
     """key -> :class:`StoredChunks` over a :class:`raydcp.metadata.TensorMetas`, built on the
     first lookup; iteration and ``len`` work on the names."""
 
@@ -43,7 +43,7 @@ class _StoredSources(Mapping):
         return key in self.tensors
 
 
-def _shared_columns(tables, nd_key):
+def shared_columns(tables, nd_key):
     """The ChunkColumns that every table is one tensor's rows of, as columns of the keys' tensors in
     key order (a gather where the keys are not its tensors in order), or None."""
     origins = [getattr(t, "origin", None) for t in tables]
@@ -61,7 +61,7 @@ def _shared_columns(tables, nd_key):
     return cols
 
 
-def _columns_arrays(cols, counts, cstart, width):
+def columns_arrays(cols, counts, cstart, width):
     """The chunk arrays of the load planner, taken from one ChunkColumns (rows in key order)."""
     nchunks = int(cstart[-1])
     w = cols.offsets.shape[1]
@@ -82,7 +82,7 @@ def _columns_arrays(cols, counts, cstart, width):
             np.diff(bb), [cols.block_values] if nchunks else [])
 
 
-def _table_arrays(tables, stored, counts, cstart, nd_key, width):
+def table_arrays(tables, stored, counts, cstart, nd_key, width):
     """The chunk arrays of the load planner, copied table by table (or object by object);
     ``s_off`` None where the chunks cannot be represented."""
     nkeys = len(counts)

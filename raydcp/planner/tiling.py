@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import CheckpointDamagedError
 from .boxes import numel
 
-__all__ = ["tiling_problems", "require_tiling", "untiled", "piece_problems"]
+__all__ = ["tiling_problems", "require_tiling", "untiled", "piece_problems", "shape_extents"]
 
 _BIG = 1 << 62  # tensors of more elements (or a longer dimension) are checked box by box, exactly
 
@@ -91,7 +91,7 @@ def untiled(shapes: Sequence[tuple[int, ...]], rows: np.ndarray, offsets: np.nda
     if offsets.ndim != 2 or offsets.shape != sizes.shape or len(offsets) != n:
         raise ValueError("offsets and sizes must be (n, width) arrays of the same shape, a row per piece")
     width = offsets.shape[1]
-    ext, expect, big = _extents(shapes, width)
+    ext, expect, big = shape_extents(shapes, width)
     key = np.repeat(np.arange(k), np.diff(rows))
     live = np.ones(n, bool)
     inside = np.ones(n, bool)
@@ -130,7 +130,7 @@ def untiled(shapes: Sequence[tuple[int, ...]], rows: np.ndarray, offsets: np.nda
     return bad
 
 
-def _extents(shapes: Sequence[tuple[int, ...]], width: int):
+def shape_extents(shapes: Sequence[tuple[int, ...]], width: int):
     """(k, width) extents (padding 1), element counts, and which tensors are too large for int64
     arithmetic (left to the exact box-by-box check)."""
     k = len(shapes)

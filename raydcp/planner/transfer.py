@@ -20,7 +20,7 @@ from ..codec import itemsize
 from ..errors import CheckpointError
 from .layouts import Specs, check_layout, piece_box, shard_dim
 from .load import check_requests, plan_load
-from .save import _agree_on_tensors, _agree_on_values
+from .save import agree_on_tensors, agree_on_values
 from .tiling import piece_problems
 from .types import LocalLoadPlan, LocalSavePlan, RankLoadPlan, SourceChunk
 
@@ -32,8 +32,8 @@ def plan_transfer(pairs: Sequence[tuple[LocalSavePlan | None, LocalLoadPlan | No
     the pieces it wants or None). A CheckpointError names source pieces that do not form whole
     tensors, tensors or values the ranks disagree on, and every key the destination cannot get."""
     sources = [p[0] for p in pairs if p[0] is not None]
-    tensors = _agree_on_tensors(sources)
-    values = _agree_on_values(sources, tensors)
+    tensors = agree_on_tensors(sources)
+    values = agree_on_values(sources, tensors)
     chunks: dict[str, dict[tuple, SourceChunk]] = {}
     for sp in sources:
         for it in sp.items:  # a rank holds at most one piece per key: holders serve it by key

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from raydcp.planner import LocalSavePlan, SavePlanOptions, TensorSpec, WriteItem, plan_save
-from raydcp.planner.arrays import _order, sorted_runs
+from raydcp.planner.arrays import sorted_runs, stable_order
 from raydcp.planner.save import _plan_columns, _plan_objects
 
 
@@ -31,7 +31,7 @@ def test_the_order_of_runs_is_the_stable_sort(kind, seed):
     runs, keys = int(rng.integers(1, 9)), int(rng.integers(1, 12))
     cols = _runs(rng, runs, keys, kind)
     order, got = sorted_runs(cols, runs)
-    expected = _order(cols)
+    expected = stable_order(cols)
     assert np.array_equal(order, expected)
     for c, g in zip(cols, got):
         assert np.array_equal(g, c[expected])

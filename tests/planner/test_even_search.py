@@ -1,5 +1,5 @@
-"""The load planner's search of even row shards by arithmetic (``_even_search``) against its
-binary search of the line (``_line_search``): the same plans, on shards as ``torch.chunk`` cuts
+"""The load planner's search of even row shards by arithmetic (``even_search``) against its
+binary search of the line (``line_search``): the same plans, on shards as ``torch.chunk`` cuts
 them (the last shorter, trailing ones empty), on uneven cuts (where it must step aside), and on
 requests that start or stop on a shard's edge, inside one, or at the tensor's end."""
 from __future__ import annotations
@@ -70,16 +70,16 @@ def test_the_arithmetic_search_plans_what_the_binary_search_does(even, seed, mon
     loads = _loads(rng, tensors)
     itemsizes = {k: 4 for k in tensors}
     used = []
-    search = load_arrays._even_search
+    search = load_arrays.even_search
 
     def spy(*args):
         found = search(*args)
         used.append(found is not None)
         return found
 
-    monkeypatch.setattr(load_arrays, "_even_search", spy)
+    monkeypatch.setattr(load_arrays, "even_search", spy)
     got = plan_load(untiled_sources(md), loads, {}, itemsizes, tiles=md.tensors)
-    monkeypatch.setattr(load_arrays, "_even_search", lambda *args: None)
+    monkeypatch.setattr(load_arrays, "even_search", lambda *args: None)
     expected = plan_load(untiled_sources(md), loads, {}, itemsizes, tiles=md.tensors)
     assert _flatten(got) == _flatten(expected)
     if even:

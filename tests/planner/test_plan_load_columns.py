@@ -10,7 +10,7 @@ import pytest
 from raydcp.metadata import BLOCK_BYTES, ChunkMeta, ChunkTable, Metadata, TensorMeta
 from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import LocalLoadPlan, ReadItem, StoredChunks, TensorSpec, plan_load, stored_sources
-from raydcp.planner.load import _shared_columns, _StoredSources
+from raydcp.planner.sources import StoredSources, shared_columns
 
 ISZ = {"float32": 4, "int16": 2}
 
@@ -94,12 +94,12 @@ def test_shared_columns_give_the_per_table_plans(seed):
     loads = _requests(rng, specs, rng.choice([1, 2, 3, 5]))
     itemsizes = {k: ISZ[s.dtype] for k, s in specs.items()}
     sources = stored_sources(md)
-    assert isinstance(sources, _StoredSources)  # the decoded columns, no per-tensor objects
+    assert isinstance(sources, StoredSources)  # the decoded columns, no per-tensor objects
     expected = plan_load(_per_table(sources), loads, {}, itemsizes)
     _same(plan_load(sources, loads, {}, itemsizes), expected)
     # the same tables in a plain dict: their shared columns are found through the tables' origin
     tables = [s.table for s in sources.values()]
-    assert _shared_columns(tables, np.array([t.offsets.shape[1] for t in tables])) is not None
+    assert shared_columns(tables, np.array([t.offsets.shape[1] for t in tables])) is not None
     _same(plan_load(dict(sources), loads, {}, itemsizes), expected)
 
     # some of the keys, in another order: the rows are gathered by the keys' tensors

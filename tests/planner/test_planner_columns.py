@@ -17,7 +17,8 @@ from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import (LocalLoadPlan, LocalSavePlan, ReadItem, SavePlanOptions, SourceChunk, TensorSpec,
                             WriteItem, plan_load, plan_save, stored_sources)
 from raydcp.planner.boxes import numel
-from raydcp.planner.load import _plan_load_columns, _plan_load_objects, untiled_sources
+from raydcp.planner.load import _plan_load_objects, untiled_sources
+from raydcp.planner.load_arrays import plan_load_columns
 from raydcp.planner.save import _plan_columns, _plan_objects
 from raydcp.planner.tiling import piece_problems
 
@@ -219,7 +220,7 @@ def test_load_array_path_agrees_with_the_box_by_box_path(seed):
         assert "do not cover" in str(e)
         return
     for sources in (untiled_sources(md), as_objects):
-        got = _plan_load_columns(sources, loads, {}, itemsizes)
+        got = plan_load_columns(sources, loads, {}, itemsizes)
         assert got is not None
         reads, totals = _flatten(got)
         # the same chunks read, with the same deliveries; who reads a chunk needed by several ranks

@@ -6,7 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from ..metadata import BLOCK_BYTES, ChunkColumns, ChunkTable
-from .arrays import _order
+from .arrays import stable_order
 from .types import FileTable, GlobalSavePlan, LocalSavePlan
 
 __all__ = ["chunk_tables"]
@@ -61,7 +61,7 @@ def chunk_tables(gp: GlobalSavePlan, local_plans: Sequence[LocalSavePlan],
         a = b
     if block_checksums is None and n and (nbytes > BLOCK_BYTES).any():
         raise ValueError(f"pieces larger than {BLOCK_BYTES} bytes need their block checksums")
-    order = _order([key, *(off[:, d] for d in range(width))])
+    order = stable_order([key, *(off[:, d] for d in range(width))])
     rows = np.zeros(len(keys) + 1, np.int64)  # sorted by tensor first: tensor t's chunks are rows[t]:rows[t + 1]
     np.cumsum(np.bincount(key, minlength=len(keys)), out=rows[1:])
     bval = np.concatenate(bvals) if bvals else np.zeros(0, np.uint32)
