@@ -1,16 +1,22 @@
 """The import graph of raydcp, read from the source with ``ast`` (nothing is imported).
 
-Two rules of the architecture (docs/architecture.md):
+The rules of the architecture (docs/architecture.md), every import counted: at module level,
+inside functions and under ``if TYPE_CHECKING:``. An import of a package counts as an import of
+its ``__init__``; ``from pkg import name`` counts as an import of ``pkg.name`` where that is a
+module, else of ``pkg``. (That importing ``a.b.c`` first runs ``a/__init__`` is not counted: the
+packages above a module are already loading.)
 
 1. The engine, ``raydcp/group.py``, the planner, the storage layer and the pipeline never import
-   ``raydcp.runtime`` or ``ray`` -- at module level or inside a function: the API layer
-   (``raydcp/api.py``) picks the Ray transport, persister and pipeline driver and hands them down.
-2. No import cycle among raydcp's modules. What counts: the imports a module executes when it is
-   imported (module level, including inside ``if``/``try`` blocks there, but not those inside
-   functions or under ``if TYPE_CHECKING:``), from a module to another raydcp module. An import
-   of a package counts as an import of its ``__init__``; ``from pkg import name`` counts as an
-   import of ``pkg.name`` where that is a module, else of ``pkg``. (That importing ``a.b.c``
-   first runs ``a/__init__`` is not counted: the packages above a module are already loading.)
+   ``raydcp.runtime`` or ``ray``: the API layer (``raydcp/api.py``) picks the Ray transport,
+   persister and pipeline driver and hands them down.
+2. Layers: the library below the public calls (engine, group, planner, storage, metadata, codec,
+   state, transport, errors, options, verify) imports neither the public calls (the package face
+   ``raydcp``, ``raydcp.api``, ``raydcp.memory``) nor what is built on them (pipeline, train, cli)
+   nor the runtime, convert or reshard; the public calls import nothing built on them; the
+   runtime imports neither the public calls nor train or cli.
+3. No import cycle among raydcp's modules.
+4. A name used outside its package is public there: no ``_name`` imported across packages, no
+   underscore module used across packages (a package is ``raydcp.<first part>``).
 """
 from __future__ import annotations
 
@@ -98,13 +104,73 @@ def test_the_engine_group_planner_storage_and_pipeline_never_import_the_runtime_
     assert offences == []
 
 
-# Known and scheduled: raydcp.metadata re-exports the codec of raydcp.metadata_format (an import at
-# the bottom of metadata.py), which imports the model from raydcp.metadata. Issue 14 item 5 drops
-# the re-export; delete this entry then. Any other cycle fails.
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+LIBRARY = ("raydcp.engine", "raydcp.group", "raydcp.planner", "raydcp.storage", "raydcp.metadata",
+           "raydcp.metadata_format", "raydcp.codec", "raydcp.state", "raydcp.state_modules", "raydcp.transport",
+           "raydcp.errors", "raydcp.options", "raydcp.lazy", "raydcp.verify")
+PUBLIC_CALLS = ("raydcp", "raydcp.api", "raydcp.memory")
+BUILT_ON_THEM = ("raydcp.pipeline", "raydcp.train", "raydcp.cli")
+# what each layer must not import (packages, as _package names them)
+NOT_BELOW = {
+    LIBRARY: PUBLIC_CALLS + BUILT_ON_THEM + ("raydcp.runtime", "raydcp.convert", "raydcp.reshard"),
+    ("raydcp.api",): BUILT_ON_THEM,
+    ("raydcp.runtime",): PUBLIC_CALLS + ("raydcp.train", "raydcp.cli"),
+}
+
+
+def layer_breaks() -> list[str]:
+    out = []
+    for layer, forbidden in NOT_BELOW.items():
+        for module in sorted(MODULES):
+            if _package(module) not in layer:
+                continue
+            out += [f"{module} imports {name}" for name in sorted(_imports(module, module_level_only=False))
+                    if name in MODULES and _package(name) in forbidden and _package(name) != _package(module)]
+    return out
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    assert layer_breaks() == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert _package("raydcp.api") == "raydcp.api" and _package("raydcp") == "raydcp"
+    assert "raydcp.pipeline" in BUILT_ON_THEM and "raydcp.api" in PUBLIC_CALLS
+    graph = {m: _imports(m, module_level_only=False) for m in ("raydcp.pipeline.api", "raydcp.train.checkpoint")}
+    assert all("raydcp.api" in names for names in graph.values())  # the layers above use the public calls
+
+
+def private_imports() -> list[str]:
+    """Every private name or underscore module one package imports from another."""
+    out = []
+    for module, path in sorted(MODULES.items()):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _absolute(module, node)
+            if not base.startswith("raydcp"):
+                continue
+            for alias in node.names:
+                target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                if _package(target) == _package(module):
+                    continue
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    out.append(f"{module} imports {base}.{alias.name}")
+                if any(p.startswith("_") and not p.startswith("__") for p in target.split(".")[1:]):
+                    out.append(f"{module} imports the underscore module {target}")
+    return out
+
+
+def test_no_private_name_or_underscore_module_is_used_across_packages():
+    assert private_imports() == []
 
 
 def test_no_import_cycle_among_raydcp_modules():
-    graph = {m: {i for i in _imports(m, module_level_only=True) if i in MODULES and i != m} for m in MODULES}
+    graph = {m: {i for i in _imports(m, module_level_only=False) if i in MODULES and i != m} for m in MODULES}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles: list[list[str]] = []
 

@@ -18,7 +18,7 @@ receivers that waited for it, and the group whose actor died refuses further ope
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import ray
 
@@ -27,22 +27,36 @@ from ..planner.transfer import plan_layout_transfer
 from . import rdt
 from .outcomes import gather_outcomes
 
-if TYPE_CHECKING:
-    from .shard_group import ShardGroup
+__all__ = ["run_reshard", "participants", "ReshardingGroup"]
 
-__all__ = ["run_reshard", "participants"]
+
+class ReshardingGroup(Protocol):
+    """What a reshard needs of a :class:`~raydcp.runtime.shard_group.ShardGroup` (either side)."""
+
+    name: str
+    world_size: int
+    layout: str
+    timeout_s: float
+    actors: list
+
+    @property
+    def devices(self) -> Sequence[str]: ...
+
+    def note_stragglers(self, refs: list) -> None: ...
+
+    def mark_broken(self, reason: str) -> None: ...
 
 # How long the driver keeps waiting for the other ranks once one failed (on top of timeout_s).
 _STRAGGLER_GRACE_S = 5.0
 
 
-def participants(old: "ShardGroup", new_handles: list) -> list:
+def participants(old: ReshardingGroup, new_handles: list) -> list:
     """Every actor of a reshard, once each, in rank order: the old group's, then the added ones."""
     seen = {h._actor_id.hex() for h in old.actors}
     return old.actors + [h for h in new_handles if h._actor_id.hex() not in seen]
 
 
-def run_reshard(old: "ShardGroup", new: "ShardGroup", reuse: list, specs: dict, keys: list, transport: str,
+def run_reshard(old: ReshardingGroup, new: ReshardingGroup, reuse: list, specs: dict, keys: list, transport: str,
                 backend: str | None = None, pending: "rdt.Pending | None" = None) -> dict:
     """Move ``old``'s state into ``new``'s actors; returns where the time went (for the bench)."""
     t0, wall0 = time.perf_counter(), time.time()
@@ -98,15 +112,15 @@ def run_reshard(old: "ShardGroup", new: "ShardGroup", reuse: list, specs: dict, 
             "transport": transport if not direct else f"rdt ({backend})", "ranks": out.results}
 
 
-def _fail(old, new, out, groups: dict, pubs: dict, added: list) -> None:
+def _fail(old: ReshardingGroup, new: ReshardingGroup, out, groups: dict, pubs: dict, added: list) -> None:
     """Record what a failed reshard left behind (stuck tasks, dead actors) and raise its one error."""
     n, m = old.world_size, new.world_size
     for ref, r in out.pending.items():
         for group in groups[r]:
-            group._stragglers.append(ref)
+            group.note_stragglers([ref])
     if out.pending:  # senders still running count as the old group's stragglers (waited for, never fetched)
         _, unfinished = ray.wait(list(pubs.values()), num_returns=len(pubs), timeout=0)
-        old._stragglers.extend(unfinished)
+        old.note_stragglers(unfinished)
     # a sender's death is seen by the ranks that waited for its pieces
     for i in sorted({i for e in out.errors.values() for i in getattr(e, "dead_sources", ())}):
         if i not in out.dead:
@@ -115,13 +129,13 @@ def _fail(old, new, out, groups: dict, pubs: dict, added: list) -> None:
     out.dead.sort()
     for r in out.dead:
         for group in groups[r]:
-            group._broken = group._broken or f"the actors of ranks {out.dead} died during reshard({m})"
+            group.mark_broken(f"the actors of ranks {out.dead} died during reshard({m})")
     note = f"ranks 0-{n - 1}: this group" + (
         f", {n}-{n + len(added) - 1}: actors added for new ranks {added}" if added else "")
     raise out.error(f"ShardGroup '{old.name}' reshard({m})", note=note)
 
 
-def choose_transport(old: "ShardGroup", transport: str | None) -> str:
+def choose_transport(old: ReshardingGroup, transport: str | None) -> str:
     """The transport of a reshard: as asked, or (None) RDT over NCCL where the tensors are CUDA and
     Ray's NCCL groups are available, else the object store."""
     if transport is not None:
@@ -131,7 +145,7 @@ def choose_transport(old: "ShardGroup", transport: str | None) -> str:
     return "object_store"
 
 
-def check_backend(old: "ShardGroup", new_devices: list[str], what: str) -> str:
+def check_backend(old: ReshardingGroup, new_devices: list[str], what: str) -> str:
     """The RDT backend for a reshard from ``old`` to actors on ``new_devices``; a CheckpointError if none fits."""
     backend = rdt.backend_for(list(old.devices) + list(new_devices), what)
     if backend == "nccl" and not rdt.nccl_usable():

@@ -396,8 +396,17 @@ class ShardGroup:
             return out.results
         for ref, r in out.pending.items():
             for group in members.get(r, [self]):
-                group._stragglers.append(ref)
+                group.note_stragglers([ref])
         for r in out.dead:
             for group in members.get(r, [self]):
-                group._broken = group._broken or f"the actors of ranks {out.dead} died during {what}"
+                group.mark_broken(f"the actors of ranks {out.dead} died during {what}")
         raise out.error(f"ShardGroup '{self.name}' {what}", note=note)
+
+    def note_stragglers(self, refs: list) -> None:
+        """Tasks of a failed operation still running on this group's actors: the next operation
+        waits for them (within ``timeout_s``) before it starts."""
+        self._stragglers.extend(refs)
+
+    def mark_broken(self, reason: str) -> None:
+        """An actor of this group died: every later operation fails at once with ``reason`` (the first one kept)."""
+        self._broken = self._broken or reason
