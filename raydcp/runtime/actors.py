@@ -11,7 +11,7 @@ and the placement options, and finds (or starts) the cluster's coordinator host:
    no job or rank, so it outlives the process that started it and every job reuses
    it; only the first operation in a fresh cluster waits for it to start. It runs
    on the head node where the cluster names one (worker nodes come and go).
-2. :func:`prepare_host` starts it ahead of the first operation (``Group.prepare``,
+2. :func:`prepare_host` starts it ahead of the first operation (``raydcp.prepare_group``,
    ``ShardGroup``), without waiting.
 3. :func:`forget_host` drops a handle whose actor died (the transport calls it), so
    that the next operation gets, or starts, a live host. A handle belongs to the Ray session
@@ -53,16 +53,19 @@ def host_name() -> str:
     every job, so a job whose raydcp differs (another release, a changed checkout) must get a
     host of its own code rather than another job's: the name carries a digest of the code.
     """
-    import raydcp
-
-    root = Path(raydcp.__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]  # the raydcp package
     digest = hashlib.blake2b(digest_size=5)
     try:
         for path in sorted(root.rglob("*.py")):
             digest.update(path.relative_to(root).as_posix().encode())
             digest.update(path.read_bytes())
-    except OSError:  # not a readable source tree: the version stands for the code
-        digest.update(str(getattr(raydcp, "__version__", "")).encode())
+    except OSError:  # not a readable source tree: the installed version stands for the code
+        from importlib import metadata
+
+        try:
+            digest.update(metadata.version("raydcp").encode())
+        except metadata.PackageNotFoundError:
+            pass
     return f"raydcp-coordinator-{digest.hexdigest()}"
 
 
