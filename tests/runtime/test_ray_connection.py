@@ -2,7 +2,6 @@
 
 Each test runs a short Python program in a subprocess with a Ray instance of its own (or none):
 the session's Ray instance of this test process is never shut down or reconnected here.
-(Reconnecting to the same cluster in one process: tests/cluster/test_memory_reconnect.py.)
 """
 from __future__ import annotations
 
@@ -96,6 +95,53 @@ def test_raydcp_leaves_the_environment_as_it_was_and_works_after_a_new_ray_init(
             changed = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
             assert not changed, f"raydcp changed the environment: {sorted(changed)}"
             ray.shutdown()
+        print("ok")
+    """)
+    done = _run([sys.executable, "-c", program], _env())
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
+
+
+def test_memory_checkpoints_load_and_save_after_a_reconnect_to_the_same_cluster():
+    """``ray.shutdown()`` then ``ray.init()`` to the same cluster in one process: the detached
+    holders kept the checkpoint, and raydcp finds them (and the coordinator host, and starts a new
+    persister actor) again by name instead of using handles of the old session."""
+    program = textwrap.dedent("""
+        import logging, os
+        import ray, torch, raydcp
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, include_dashboard=False,
+                                                                    object_store_memory=100 * 1024 * 1024))
+        opts = dict(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
+
+        def state(step):
+            return {"w": torch.arange(512, dtype=torch.float32) * step, "step": step}
+
+        def loaded(url, group=None):
+            back = {"w": torch.zeros(512), "step": -1}
+            raydcp.load(back, url, group=group)
+            assert torch.equal(back["w"], state(back["step"])["w"])
+            return back["step"]
+
+        try:
+            ray.init(**opts)
+            url = "raymem://reconnect/ckpt"
+            group = raydcp.Group("reconnect", 0, 1)
+            raydcp.save(state(1), url)
+            raydcp.async_save(state(2), url, group=group).result(timeout=240)  # this process's persister actor
+            assert loaded(url) == 2
+            env = dict(os.environ)
+            ray.shutdown()
+            ray.init(**opts)
+            assert loaded(url) == 2  # held by the detached holders all along, found again by name
+            raydcp.save(state(3), url)
+            assert loaded(url, group=group) == 3
+            raydcp.async_save(state(4), url, group=group).result(timeout=240)  # a persister of the new session
+            assert loaded(url) == 4
+            assert dict(os.environ) == env, "raydcp changed the environment"
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
         print("ok")
     """)
     done = _run([sys.executable, "-c", program], _env())
