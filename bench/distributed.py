@@ -416,7 +416,7 @@ def _profiling_host_cls():
 
 def _timed_shard_actor_cls(profile: bool = False):
     """ShardActor recording when its reshard steps (publish, take) ran, and (``profile``) profiling its take."""
-    from raydcp.runtime.shard_actor import ShardActor
+    from raydcp.runtime.shard_group.actor import ShardActor
 
     class TimedShardActor(ShardActor):
         span = (0.0, 0.0)

@@ -83,7 +83,7 @@ def child(kind: str, src: str, dst: str, budget: int, extra: str) -> dict:
         import ray
 
         from raydcp.reshard import reshard_with
-        from raydcp.runtime.reshard_job import RayExecutor, _memory
+        from raydcp.runtime.shard_group.reshard_job import RayExecutor, _memory
     if kind in ("reshard", "reshard-1g", "consolidate", "job"):
         raydcp.read_metadata(src)  # the first use imports what reading needs: not part of the run
     elif kind in ("dcp_to_pt", "pt_to_dcp"):

@@ -19,7 +19,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(_ROOT, "raydcp")) and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from raydcp.runtime.reshard_job import main  # noqa: E402
+from raydcp.runtime.shard_group.reshard_job import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

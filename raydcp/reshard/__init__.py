@@ -1,11 +1,11 @@
 """Streaming reshard of a committed checkpoint: N -> M ranks, new layout, dtype, fewer keys.
 
 The engine shared by ``raydcp reshard`` (ranks as threads of one process) and
-``jobs/reshard.py`` (ranks as the actors of a ``raydcp.ShardGroup``, see
-``raydcp.runtime.reshard_job``): :mod:`.plan` cuts the work into rounds that fit a memory
-budget, :mod:`.rank` is what every rank does in a round, :mod:`.driver` checks the
-destination, runs the rounds and commits once (resuming a failed run, doing nothing when
-the destination already holds the result).
+``jobs/reshard.py`` (ranks as the actors of a ``raydcp.ShardGroup``; the job's executor is
+:mod:`raydcp.runtime.shard_group.reshard_job`, in the runtime since it runs on Ray):
+:mod:`.plan` cuts the work into rounds that fit a memory budget, :mod:`.rank` is what every
+rank does in a round, :mod:`.driver` checks the destination, runs the rounds and commits once
+(resuming a failed run, doing nothing when the destination already holds the result).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The reshard driver: check the destination, plan, run the rounds, commit once.
 
 Who runs the ranks is the caller's choice (an *executor*): :class:`ThreadExecutor` runs them as
-threads of this process (``raydcp reshard``), ``raydcp.runtime.reshard_job.RayExecutor`` as the
+threads of this process (``raydcp reshard``), ``raydcp.runtime.shard_group.reshard_job.RayExecutor`` as the
 actors of a ``ShardGroup`` across a Ray cluster (``jobs/reshard.py``). The driver itself holds
 only metadata. Protocol of :func:`reshard_with`:
 

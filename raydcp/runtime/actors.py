@@ -152,7 +152,7 @@ def release_owner(owner: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _remote_class(cls):
-    # tensor transport on: a ShardGroup reshard may send through Ray Direct Transport (runtime/rdt.py)
+    # tensor transport on: a ShardGroup reshard may send through Ray Direct Transport (runtime/shard_group/rdt.py)
     return ray.remote(enable_tensor_transport=True)(cls)
 
 

@@ -9,10 +9,10 @@ cluster, or the first after the host died, waits for it; a new group is a small 
 Protocol, as the host sees it (the rank's side is :mod:`raydcp.runtime.ray_transport`):
 
 1. Every call names its operation by ``(owner, group name, number)``: the group's name and the
-   rank-side number of the operation (:mod:`raydcp.runtime.groups`), and the *owner* whose state
+   rank-side number of the operation (:mod:`raydcp.runtime.operations`), and the *owner* whose state
    holds it (the group's own name, or the ShardGroup whose operations run under names of their
    own, so that ``release(owner)`` drops them together); and its *caller*
-   (:class:`raydcp.runtime.groups.Caller`), the process that numbered it.
+   (:class:`raydcp.runtime.operations.Caller`), the process that numbered it.
 2. A Group name belongs to one *incarnation* of its ranks at a time: the processes that run its
    ranks. A rank's first call binds the rank to its caller in the current incarnation; an
    operation number means an operation of that incarnation. A call for a bound rank from
@@ -58,7 +58,7 @@ from typing import Any, Callable, NamedTuple
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure, raise_failures
 from ..transport import decode, encode
 from .coordinator import Coordinator, planning_pages
-from .groups import Caller
+from .operations import Caller
 
 __all__ = ["CoordinatorHost", "OpKey"]
 

@@ -38,7 +38,7 @@ from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..options import AsyncOptions, SaveOptions
 from . import connection
-from .groups import next_operation
+from .operations import next_operation
 from .ray_transport import RayTransport
 
 __all__ = ["RayPersister", "PersisterActor", "persister_for_this_process"]

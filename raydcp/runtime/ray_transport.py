@@ -6,7 +6,7 @@ by the cluster's one coordinator host (``raydcp.runtime.coordinator_host``), the
 data plane through Ray's object store:
 
 1. ``RayTransport(group, op)`` (from :func:`open_transport`, which numbers the
-   operation, :mod:`raydcp.runtime.groups`) takes this process's handle of the
+   operation, :mod:`raydcp.runtime.operations`) takes this process's handle of the
    host (:func:`raydcp.runtime.actors.coordinator_host`: looked up once per
    process, started if none runs); the host makes operation ``op``'s coordinator
    on its first call, so a new group costs no actor start. Every call of the
@@ -51,7 +51,7 @@ from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..transport import Transport, decode, encode, run_reduce, unwrap
 from . import actors
-from .groups import Operation, next_operation, this_caller
+from .operations import Operation, next_operation, this_caller
 
 __all__ = ["RayTransport", "open_transport"]
 
@@ -86,7 +86,7 @@ def open_transport(group: Group, *, host: str | None = None) -> "RayTransport":
 class RayTransport(Transport):
     """The transport of operation ``op`` of a :class:`raydcp.Group` whose ranks run on Ray.
 
-    ``op``: the operation's number in this process, or an :class:`~raydcp.runtime.groups.Operation`
+    ``op``: the operation's number in this process, or an :class:`~raydcp.runtime.operations.Operation`
     that another process numbered (a rank's persister runs the rank's async saves).
     ``host``: the owner of the operation's state in the coordinator host, where it is not the
     group itself: a ShardGroup runs each operation under a fresh group name and releases all

@@ -13,7 +13,7 @@ import yaml
 
 from raydcp.cli import build_parser as cli_parser
 from raydcp.reshard.args import options_from_args
-from raydcp.runtime.reshard_job import build_parser as job_parser
+from raydcp.runtime.shard_group.reshard_job import build_parser as job_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -135,7 +135,7 @@ def test_ray_job_submit_reshards_bit_exact_and_reruns_as_noop(head, src, full, t
 
 
 def test_job_errors_are_one_line_and_need_no_ray(tmp_path, capsys):
-    from raydcp.runtime.reshard_job import main
+    from raydcp.runtime.shard_group.reshard_job import main
 
     assert main([str(tmp_path / "missing"), str(tmp_path / "dst"), "--world-size", "2"]) == 2
     err = capsys.readouterr().err
@@ -148,7 +148,7 @@ def test_job_errors_are_one_line_and_need_no_ray(tmp_path, capsys):
 
 @pytest.mark.ray
 def test_dead_actor_fails_the_round_fast_and_rerun_resumes(ray_session, src, full, tmp_path):
-    from raydcp.runtime.reshard_job import RayExecutor
+    from raydcp.runtime.shard_group.reshard_job import RayExecutor
 
     dst = str(tmp_path / "dst")
     options = ReshardOptions(world_size=3, layout="dim1", memory_budget=128)

@@ -9,7 +9,7 @@ import asyncio
 
 from raydcp.errors import CheckpointError, CoordinatorLostError
 from raydcp.runtime.coordinator_host import CoordinatorHost
-from raydcp.runtime.groups import Caller
+from raydcp.runtime.operations import Caller
 from raydcp.transport import decode
 
 from ._ranks import add_rank_sum, gather_all

@@ -6,8 +6,8 @@ import torch
 
 from raydcp.errors import CheckpointError
 from raydcp.planner.layouts import piece_box
-from raydcp.runtime.layouts import empty_state, take_piece
-from raydcp.runtime.shard_group import plan_placement
+from raydcp.runtime.shard_group.layouts import empty_state, take_piece
+from raydcp.runtime.shard_group.group import plan_placement
 from raydcp.state import Shard
 
 
@@ -84,7 +84,7 @@ def test_reuse_ranks_keeps_the_pieces_in_place():
 
 
 def test_shard_actor_prepares_pieces_and_drops_them_with_the_group():
-    from raydcp.runtime.shard_actor import ShardActor
+    from raydcp.runtime.shard_group.actor import ShardActor
 
     actor = ShardActor(0, 2)  # the plain class: no Ray
     specs = {"w": ((6, 4), "float32"), "s": ((), "int64")}

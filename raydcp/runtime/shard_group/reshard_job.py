@@ -32,14 +32,15 @@ from typing import Any, Sequence
 
 import ray
 
-from ..engine.rounds import RoundRecords
-from ..errors import CheckpointError
-from ..group import Group
-from ..reshard import ReshardOptions, ReshardResult, RoundTask, reshard_with, run_round
-from ..reshard.rank import release_round_memory, return_freed_memory
-from ..reshard.args import add_reshard_arguments, options_from_args, storage_options_from_args
-from .ray_transport import open_transport
-from .outcomes import gather_outcomes
+from ...engine.rounds import RoundRecords
+from ...errors import CheckpointError
+from ...group import Group
+from ...reshard import ReshardOptions, ReshardResult, RoundTask, reshard_with, run_round
+from ...reshard.rank import release_round_memory, return_freed_memory
+from ...reshard.args import add_reshard_arguments, options_from_args, storage_options_from_args
+from ..outcomes import gather_outcomes
+from ..ray_transport import open_transport
+from .group import ShardGroup
 
 __all__ = ["RayExecutor", "reshard_on_ray", "build_parser", "main"]
 
@@ -103,8 +104,6 @@ class RayExecutor:
                  timeout_s: float = 600.0):
         self.world_size = world_size
         self.timeout_s = timeout_s
-        from .shard_group import ShardGroup
-
         self.group = ShardGroup(world_size, num_gpus_per_actor=num_gpus_per_actor,
                                 num_cpus_per_actor=num_cpus_per_actor, timeout_s=timeout_s)
         try:

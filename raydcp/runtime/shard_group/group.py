@@ -15,7 +15,7 @@ actors, and of the driver itself for ``full_state_dict``):
 4. ``reshard(M2)``: a new ShardGroup of M2 ranks receives the state from this one in
    memory, no storage round trip: the driver plans the moves from the two layouts and
    each old rank sends one message per new rank it serves, through the object store or
-   by Ray Direct Transport (``raydcp.runtime.group_reshard``; no coordinator round).
+   by Ray Direct Transport (``raydcp.runtime.shard_group.group_reshard``; no coordinator round).
    The new group keeps this group's actors where they already hold the most of
    their new pieces (``planner.layouts.reuse_ranks``; those bytes are copied within the
    actor), so it starts actors only for the ranks it adds, and a 4 -> 6 reshard
@@ -44,19 +44,19 @@ from typing import Any, Callable
 
 import ray
 
-from ..engine import read_metadata, transfer_with
-from ..errors import CheckpointError
-from ..group import Group
-from ..options import SaveOptions
-from ..planner.layouts import check_layout, reuse_ranks
+from ...engine import read_metadata, transfer_with
+from ...errors import CheckpointError
+from ...group import Group
+from ...options import SaveOptions
+from ...planner.layouts import check_layout, reuse_ranks
+from ..outcomes import gather_outcomes
+from ..ray_transport import RayTransport
+from . import rdt
+from .actor import ShardActor
+from .group_reshard import check_backend, choose_transport, participants, run_reshard
 from .layouts import empty_state
 from .members import Host, Member, start_members
-from . import rdt
-from .group_reshard import check_backend, choose_transport, participants, run_reshard
-from .outcomes import gather_outcomes
-from .ray_transport import RayTransport
 from .rdt import check_transport
-from .shard_actor import ShardActor
 
 __all__ = ["ShardGroup"]
 

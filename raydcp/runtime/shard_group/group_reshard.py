@@ -2,7 +2,7 @@
 
 Both layouts are known to the driver, so it plans the whole transfer alone
 (:func:`raydcp.planner.transfer.plan_layout_transfer`, no gathered plans, no coordinator) and
-starts every task at once (:mod:`raydcp.runtime.reshard_steps` says what each does):
+starts every task at once (:mod:`raydcp.runtime.shard_group.reshard_steps` says what each does):
 
 1. one ``publish`` task on old rank ``i``'s actor per new rank ``j`` it sends boxes to, in order
    of ``i`` (a kept actor's publishes come before its own receive); the plain values ride on the
@@ -22,10 +22,10 @@ from typing import Protocol, Sequence
 
 import ray
 
-from ..errors import CheckpointError
-from ..planner.transfer import plan_layout_transfer
+from ...errors import CheckpointError
+from ...planner.transfer import plan_layout_transfer
 from . import rdt
-from .outcomes import gather_outcomes
+from ..outcomes import gather_outcomes
 
 __all__ = ["run_reshard", "participants", "ReshardingGroup"]
 

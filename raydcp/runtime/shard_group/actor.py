@@ -7,7 +7,7 @@ fresh name per operation, so a failed operation never leaves the next one out of
 step, run in the ShardGroup's one coordinator host -- and returns its result, or
 the ``CheckpointError`` it raised (as a value: the driver gathers every rank's
 outcome and raises once). The steps of a reshard (``publish``, ``take``) need no
-group spec: the driver plans them alone (``raydcp.runtime.group_reshard``).
+group spec: the driver plans them alone (``raydcp.runtime.shard_group.group_reshard``).
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..engine import load_with, save_with, transfer_with
-from ..errors import CheckpointError
-from ..group import Group
-from ..state import Shard
-from ..planner.layouts import Specs
-from ..transport import Transport
+from ...engine import load_with, save_with, transfer_with
+from ...errors import CheckpointError
+from ...group import Group
+from ...state import Shard
+from ...planner.layouts import Specs
+from ...transport import Transport
+from ..ray_transport import RayTransport
 from .layouts import empty_state
-from .ray_transport import RayTransport
 from .reshard_steps import Incoming, publish, receive, receive_direct
 
 __all__ = ["ShardActor"]
@@ -83,7 +83,7 @@ class ShardActor:
 
         return self._outcome(run)
 
-    # -- a ShardGroup reshard (raydcp.runtime.reshard_steps): no coordinator, one message per pair
+    # -- a ShardGroup reshard (raydcp.runtime.shard_group.reshard_steps): no coordinator, one message per pair
     def publish(self, slot: str, rank: int, moves: Sequence, value_keys: Sequence[str] | None, rdt: bool = False):
         """The message of rank ``rank`` of group ``slot`` to one new rank: (plain values or None, one
         buffer per move), views of the held pieces; or the CheckpointError."""

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import ray
 from ray import exceptions as rex
 
-from ..errors import CheckpointError
-from ..planner.transfer import Move
+from ...errors import CheckpointError
+from ...planner.transfer import Move
 from .piece_moves import copy_in, copy_local, outgoing, plain_values
 
 __all__ = ["publish", "receive", "receive_direct", "Incoming", "Local"]

@@ -12,9 +12,9 @@ import ray
 from ray import exceptions as rex
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from ..errors import CheckpointError
-from . import actors
-from .actors import start_shard_actor
+from ...errors import CheckpointError
+from .. import actors
+from ..actors import start_shard_actor
 
 __all__ = ["Host", "Member", "start_members"]
 

@@ -26,10 +26,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..codec import dtype_name, tensor_from_bytes
-from ..errors import CheckpointError
-from ..planner.transfer import Move
-from ..state import Shard
+from ...codec import dtype_name, tensor_from_bytes
+from ...errors import CheckpointError
+from ...planner.transfer import Move
+from ...state import Shard
 
 __all__ = ["region", "outgoing", "copy_in", "copy_local", "plain_values"]
 

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import ray
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 __all__ = ["TRANSPORTS", "check_transport", "backend_for", "prepare", "Pending"]
 

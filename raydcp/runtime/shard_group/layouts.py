@@ -9,9 +9,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..codec import dtype_from_name
-from ..planner.layouts import Specs, piece_box
-from ..state import Shard
+from ...codec import dtype_from_name
+from ...planner.layouts import Specs, piece_box
+from ...state import Shard
 
 __all__ = ["take_piece", "empty_state"]
 
