@@ -186,7 +186,9 @@ def test_a_holder_that_does_not_answer_is_reported_and_stop_force_stops_it(ray_s
         mem.checkpoints(timeout_s=1)
     with pytest.raises(raydcp.CheckpointError, match="did not answer.*--force"):
         mem.stop(timeout_s=1)
-    assert mem.stop(force=True, timeout_s=30).holders == [f"holder-{node}"]
+    # the timeout bounds both the wait for the silent holder (all of it) and the wait for the killed
+    # actors to be gone (a moment)
+    assert mem.stop(force=True, timeout_s=8).holders == [f"holder-{node}"]
     _save("raymem://adm-after-silent/a", 1)  # a real holder again
     try:
         assert _loads("raymem://adm-after-silent/a", 1)
