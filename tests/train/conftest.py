@@ -50,6 +50,22 @@ def derived_draws(seed: int, step: int, rank: int, steps_after: int) -> list[flo
         np.random.set_state(keep[2])
 
 
+# Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default)
+# and a preemption watcher every 5 s: a short poll and no watcher (the example announces its own
+# preemptions) make each run end as soon as its workers do. Ray Train hands these to its processes.
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quick_ray_train():
+    """RAY_TRAIN_ENV around every module of this package (each run, ``train_runs``' included, is
+    fitted inside one of its tests)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in RAY_TRAIN_ENV.items():
+            mp.setenv(k, v)
+        yield
+
+
 @pytest.fixture(scope="session")
 def train_runs(ray_session, tmp_path_factory, request):
     """``train_runs(name, config=BASE, workers=2, key=name, **make_trainer_kwargs)``: fit once per key.
@@ -63,9 +79,6 @@ def train_runs(ray_session, tmp_path_factory, request):
 
     ex = load_example()
     cloudpickle.register_pickle_by_value(ex)
-    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     storage = str(tmp_path_factory.mktemp("train-runs"))
     cache: dict = {}
 
@@ -112,8 +125,3 @@ def train_runs(ray_session, tmp_path_factory, request):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
