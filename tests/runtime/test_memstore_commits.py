@@ -14,38 +14,17 @@ import pytest
 import torch
 
 import raydcp
-from raydcp.engine.save import save_with
 from raydcp.errors import ConcurrentSaveError
 from raydcp.runtime.memstore import placement
 from raydcp.runtime.memstore.layout import checkpoint_dir, is_data_file, split_data_file
 from raydcp.runtime.memstore.holder import MemHolder
 
-from ..engine.helpers import run_ranks
+from ._raymem_state import COLS, ROWS
+from ._raymem_state import raymem_fs as _fs
+from ._raymem_state import save_two_ranks as _save
+from ._raymem_state import this_node as _node
 
-ROWS, COLS = 64, 128
 PER_RANK = ROWS // 2 * COLS * 4
-
-
-def _fs():
-    import fsspec
-
-    return fsspec.filesystem("raymem")
-
-
-def _node() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
-def _state(rank: int, seed: int) -> dict:
-    w = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
-    lo = rank * ROWS // 2
-    return {"w": raydcp.Shard(w[lo:lo + ROWS // 2].clone(), (lo, 0), (ROWS, COLS)), "seed": seed}
-
-
-def _save(url: str, seed: int, options: dict | None = None) -> list:
-    return run_ranks(2, lambda t: save_with(t, _state(t.rank, seed), url, options or {}), timeout_s=120)[1]
 
 
 def _load(url: str) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 import raydcp
 from raydcp.engine.save import save_with
-from raydcp.errors import CheckpointDamagedError, CheckpointNotFoundError
+from raydcp.errors import CheckpointNotFoundError
 from raydcp.runtime.memstore import placement
 from raydcp.runtime.memstore.filesystem import RayMemFileSystem
 from raydcp.runtime.memstore.holder import MemHolder
@@ -21,30 +21,14 @@ from raydcp.runtime.memstore.incarnations import Incarnation
 from raydcp.runtime.memstore.layout import is_data_file
 
 from ..engine.helpers import run_ranks
-
-ROWS, COLS = 64, 128
-
-
-def _fs():
-    import fsspec
-
-    return fsspec.filesystem("raymem")
-
-
-def _node() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
-def _state(rank: int, seed: int) -> dict:
-    w = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
-    lo = rank * ROWS // 2
-    return {"w": raydcp.Shard(w[lo:lo + ROWS // 2].clone(), (lo, 0), (ROWS, COLS)), "seed": seed}
-
+from ._raymem_state import COLS, ROWS
+from ._raymem_state import raymem_fs as _fs
+from ._raymem_state import save_two_ranks
+from ._raymem_state import this_node as _node
+from ._raymem_state import two_rank_state as _state
 
 def _save(url: str, seed: int) -> None:
-    errors = run_ranks(2, lambda t: save_with(t, _state(t.rank, seed), url, {}), timeout_s=120)[1]
+    errors = save_two_ranks(url, seed)
     assert errors == [None, None], errors
 
 
