@@ -25,7 +25,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "verify_cmd",
     "convert_cmd",
     "diff_cmd",
-    "status",
+    "status_cmd",
     "reshard_cmd",
     "ls_cmd",
     "mem_cmd",

@@ -122,6 +122,6 @@ def test_the_pipeline_and_its_cli_do_not_import_ray():
     import subprocess
     import sys
 
-    code = ("import sys, raydcp.pipeline.api, raydcp.pipeline.driver, raydcp.pipeline.check, raydcp.cli.status; "
+    code = ("import sys, raydcp.pipeline.api, raydcp.pipeline.driver, raydcp.pipeline.check, raydcp.cli.status_cmd; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
