@@ -146,7 +146,7 @@ def train_loop(config: dict) -> None:
     memory = config.get("memory", False)
     in_memory = None
     if memory:  # what the cluster's memory holds before the restore (the demo reports where it resumed from)
-        from raydcp.train.memory import latest_in_memory, memory_root
+        from raydcp.train.memory_saves import latest_in_memory, memory_root
 
         in_memory = latest_in_memory(memory_root(ctx))
     resumed = raydcp.train.restore({"train": state}, async_save=config.get("async_save", False))

@@ -13,7 +13,7 @@ from .callback import RECORDS_NAME, RayDCPCallback, check_checkpoint
 from .checkpoint import restore, save
 from .preemption import save_on_preemption
 from .rng import derive_seed
-from .state import TrainState
+from .train_state import TrainState
 
 __all__ = ["save", "restore", "TrainState", "save_on_preemption", "RayDCPCallback", "RECORDS_NAME",
            "check_checkpoint", "derive_seed"]

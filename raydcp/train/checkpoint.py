@@ -39,7 +39,7 @@ from ..metadata import Metadata
 from ..storage import CheckpointStorage
 from ..runtime.train_group import group_named, new_nonce, proposed_group_name, train_context, worker_group
 from ._context import checkpoint_dir_name, fsspec_location, is_raydcp_dir_name
-from .state import TrainState
+from .train_state import TrainState
 
 __all__ = ["save", "restore", "worker_group", "METRICS_KEY", "run_checkpoint_dirs", "remove_uncommitted"]
 
@@ -116,7 +116,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     written in batches and the stall grows instead.
 
     ``memory=True`` first saves the checkpoint into the memory of the run's nodes
-    (``raymem://``, see :mod:`raydcp.train.memory`; ``memory_options`` are its
+    (``raymem://``, see :mod:`raydcp.train.memory_saves`; ``memory_options`` are its
     storage_options: replicas, node_cap_bytes), replacing the previous memory
     checkpoint once committed, and writes it to the run's storage (and reports it to
     Ray Train) only at the steps that are multiples of ``persist_every`` (the run's
@@ -135,7 +135,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     if step is None:
         step = _step_of(state, metrics)
     if memory:
-        from .memory import should_persist
+        from .memory_saves import should_persist
 
         persist_now = should_persist(step, persist_every, persist)  # checked before anything is written
     elif persist is not None and persist is not True:
@@ -153,7 +153,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
 
     t0 = time.perf_counter()
     if memory:
-        from .memory import memory_root
+        from .memory_saves import memory_root
 
         mem_url = f"{memory_root(ctx)}/{name}"
         mem_md = api.save(state, mem_url, group=group, storage_options=memory_options)
@@ -264,7 +264,7 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
 def _memory_source(ctx, checkpoint, memory_options: dict | None) -> str | None:
     """The URL of the run's newest memory checkpoint when it is at least as new as ``checkpoint``
     (the latest in storage), else None."""
-    from .memory import latest_in_memory, memory_root, step_of_dir
+    from .memory_saves import latest_in_memory, memory_root, step_of_dir
 
     found = latest_in_memory(memory_root(ctx), memory_options)
     if found is None:

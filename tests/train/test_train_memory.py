@@ -16,7 +16,7 @@ import pytest
 
 import raydcp
 import raydcp.train
-from raydcp.train.memory import should_persist
+from raydcp.train.memory_saves import should_persist
 
 
 def test_persist_every_counts_the_runs_steps_and_persist_decides_alone():
@@ -72,7 +72,7 @@ def _records(storage: str, name: str) -> list[dict]:
 
 
 def _steps_in_storage(storage: str, name: str) -> list[int]:
-    from raydcp.train.memory import step_of_dir
+    from raydcp.train.memory_saves import step_of_dir
 
     return sorted(step_of_dir(p.name) for p in Path(storage, name).iterdir()
                   if p.is_dir() and p.name.startswith("raydcp-step"))

@@ -14,7 +14,7 @@ import torch.nn as nn
 import raydcp
 import raydcp.train
 from raydcp.train import TrainState, check_checkpoint, derive_seed
-from raydcp.train import state as state_mod
+from raydcp.train import train_state as state_mod
 from raydcp.train._context import fsspec_location
 
 
