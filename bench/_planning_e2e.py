@@ -39,7 +39,7 @@ import numpy as np
 import raydcp.planner as P
 from raydcp.engine.load import _plan_loads, read_metadata
 from raydcp.engine.protocol import PLAN_STEP, commit_checkpoint, commit_metadata, reduce_plan
-from raydcp.engine.records import StorageRecord
+from raydcp.engine.save_records import StorageRecord
 from raydcp.engine.save import _file_layouts
 from raydcp.errors import CheckpointError
 from raydcp.storage import METADATA_NAME, CheckpointStorage

@@ -3,7 +3,7 @@ once, explicit arguments win."""
 import pytest
 
 from raydcp import CheckpointError
-from raydcp.engine.records import StorageRecord
+from raydcp.engine.save_records import StorageRecord
 from raydcp.options import DEFAULT_IO, DEFAULT_LOAD, DEFAULT_SAVE, AsyncOptions, IOOptions, LoadOptions, SaveOptions
 
 

@@ -9,13 +9,13 @@ and calls the functions here:
 - :func:`start_async_save`: an asynchronous save through an
   :class:`~raydcp.engine.background.AsyncPersister`;
 - the save protocol: its steps in :mod:`raydcp.engine.protocol`, the records they pass in
-  :mod:`raydcp.engine.records`.
+  :mod:`raydcp.engine.save_records`.
 """
 from __future__ import annotations
 
 from .background import AsyncPersister, SaveFuture, start_async_save
 from .load import LoadStats, load_with, read_metadata, transfer_with
-from .records import SaveHeader, StorageRecord
+from .save_records import SaveHeader, StorageRecord
 from .save import save_with
 
 __all__ = ["save_with", "load_with", "transfer_with", "start_async_save", "read_metadata", "LoadStats",

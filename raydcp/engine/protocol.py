@@ -7,13 +7,13 @@ steps, in this order, over a :class:`~raydcp.transport.Transport`:
 1. **plan** -- every rank calls :func:`plan_round` with its local plan (metadata only);
    the coordinator runs :func:`reduce_plan` (``plan_save``: validation, replicas written
    once, bytes balanced) and hands each rank its :class:`~raydcp.planner.RankWritePlan`,
-   and rank 0 the :class:`~raydcp.engine.records.SaveHeader` of the checkpoint. Where the
+   and rank 0 the :class:`~raydcp.engine.save_records.SaveHeader` of the checkpoint. Where the
    backend's room is per place (``raymem://``), the coordinator then reserves the room for
    every rank's files (:mod:`raydcp.storage.capacity`): a save that does not fit fails
    here, on every rank.
 2. **write** -- each rank writes its files (``raydcp.engine.save.write_rank_files``, in
    one or several batches of whole files) and keeps one columnar
-   :class:`~raydcp.engine.records.StorageRecord` per batch: file, byte range and checksums
+   :class:`~raydcp.engine.save_records.StorageRecord` per batch: file, byte range and checksums
    of every piece it wrote.
 3. **commit** -- every rank calls :func:`commit_round` with its records (rank 0 also with
    the header); the coordinator runs :func:`reduce_commit`: the metadata is built from the
@@ -24,7 +24,7 @@ A rank that fails at any step still takes part, sending a
 :class:`~raydcp.errors.RankFailure`: every rank then raises one CheckpointError and
 nothing is committed. Multi-round saves (:mod:`raydcp.engine.rounds`) run steps 1 and 2
 once per round and gather the records instead of committing; their driver commits all
-rounds at once. The records the steps pass are defined in :mod:`raydcp.engine.records`.
+rounds at once. The records the steps pass are defined in :mod:`raydcp.engine.save_records`.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from ..storage import capacity
 from ..storage import is_transient
 from ..storage.commits import LOG_DIR, begin_save, commit_generation, current_generation, prune, remove_save_files
 from ..transport import Transport
-from .records import SaveHeader, StorageRecord
+from .save_records import SaveHeader, StorageRecord
 
 __all__ = ["reduce_plan", "reduce_commit", "commit_metadata", "tensor_metas", "plan_round", "commit_round",
            "commit_checkpoint", "name_storage_error", "PLAN_STEP", "COMMIT_STEP"]

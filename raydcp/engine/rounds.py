@@ -48,7 +48,7 @@ from ..storage import CheckpointStorage
 from ..storage.commits import begin_save, current_generation, save_generation
 from ..transport import Transport
 from .protocol import commit_checkpoint, name_storage_error, plan_round
-from .records import StorageRecord
+from .save_records import StorageRecord
 from .save import discard_after_failure, local_save_plan, plan_options, write_rank_files
 
 __all__ = ["RoundRecords", "new_save_id", "round_save_id", "write_round", "commit_rounds", "RoundJournal"]
@@ -57,7 +57,7 @@ __all__ = ["RoundRecords", "new_save_id", "round_save_id", "write_round", "commi
 @dataclass(frozen=True)
 class RoundRecords:
     """What one round wrote: its save id, its tensors (by round key) and every rank's storage
-    records, as one :class:`~raydcp.engine.records.StorageRecord` (keys are round keys)."""
+    records, as one :class:`~raydcp.engine.save_records.StorageRecord` (keys are round keys)."""
 
     save_id: str
     tensors: Mapping[str, TensorSpec]

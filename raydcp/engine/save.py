@@ -21,7 +21,7 @@ from ..storage.capacity import release_save
 from ..transport import Transport
 from .compressed import PieceRows, compressed_file_buffers
 from .protocol import commit_round, name_storage_error, plan_round
-from .records import StorageRecord
+from .save_records import StorageRecord
 
 __all__ = ["save_with", "local_save_plan", "StagedState", "write_rank_files", "plan_options"]
 

@@ -28,7 +28,7 @@ from ..planner.save import ALIGN
 from ..storage import CheckpointStorage
 from ..transport import Transport
 from .protocol import commit_round, name_storage_error, plan_round
-from .records import SaveHeader, StorageRecord
+from .save_records import SaveHeader, StorageRecord
 from .save import StagedState, discard_after_failure, plan_options, write_rank_files
 
 __all__ = ["PersistSession", "batches"]

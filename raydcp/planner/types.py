@@ -228,7 +228,7 @@ def digest(obj) -> bytes:
 class PackedNames(_Lazy):
     """A tuple of names held as one UTF-8 blob, NUL-separated, until first use.
 
-    What a rank's list of tensor keys travels as (:class:`raydcp.engine.records.StorageRecord`):
+    What a rank's list of tensor keys travels as (:class:`raydcp.engine.save_records.StorageRecord`):
     a receiver that matches lists by digest, as the commit does, unpickles one bytes object
     per rank instead of a string per key, and splits the blob only for a list it has not seen.
     """

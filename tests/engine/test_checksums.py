@@ -135,7 +135,7 @@ def test_commit_builds_sorted_chunk_tables_from_records():
     from raydcp.planner import TensorSpec
 
     from raydcp.engine.protocol import tensor_metas
-    from raydcp.engine.records import StorageRecord
+    from raydcp.engine.save_records import StorageRecord
     tensors = {"w": TensorSpec("float32", (4, 2)), "b": TensorSpec("uint8", (3 * MIB,)),
                "s": TensorSpec("int64", ()), "e": TensorSpec("float32", (0, 3)), "b2": TensorSpec("uint8", (2 * MIB,))}
     records = [("w", (2, 0), (2, 2), "f1", 64, 16, 11, ()),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import raydcp
 from raydcp import CheckpointError, SaveOptions, Shard
 from raydcp.engine.protocol import tensor_metas
-from raydcp.engine.records import StorageRecord
+from raydcp.engine.save_records import StorageRecord
 from raydcp.engine.save import local_save_plan, save_with
 from raydcp.metadata import BLOCK_BYTES, ChunkMeta, Metadata, TensorMeta
 from raydcp.metadata_format import encode_metadata

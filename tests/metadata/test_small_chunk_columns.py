@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from raydcp.engine.protocol import tensor_metas
-from raydcp.engine.records import StorageRecord
+from raydcp.engine.save_records import StorageRecord
 from raydcp.metadata import ChunkColumns, Metadata, TensorMeta
 from raydcp.metadata_format import decode_metadata, encode_metadata
 from raydcp.planner import SavePlanOptions, chunk_tables, plan_save
