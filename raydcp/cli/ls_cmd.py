@@ -147,7 +147,7 @@ def list_checkpoints(root: str, opts: dict | None, depth: int | None = None) -> 
     """``{"root", "checkpoints": [one dict per committed checkpoint], "uncommitted": [paths],
     "incomplete"}`` for the checkpoints at and below ``root`` (CheckpointError if ``root`` is not a
     directory)."""
-    from ..pipeline.records import read_record
+    from ..pipeline.record_files import read_record
     from ..storage import CheckpointStorage
     from ..storage.discovery import DEFAULT_DEPTH, find_checkpoints
 

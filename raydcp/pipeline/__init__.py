@@ -35,6 +35,6 @@ def __getattr__(name: str):
 def read_status(checkpoint, storage_options: dict | None = None) -> StatusRecord | None:
     """The status record in one copy of a checkpoint (None if it has none)."""
     from ..storage import CheckpointStorage
-    from .records import read_record
+    from .record_files import read_record
 
     return read_record(CheckpointStorage(checkpoint, storage_options))

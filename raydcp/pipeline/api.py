@@ -16,7 +16,7 @@ from ..storage import CheckpointStorage, check_name, list_committed
 from .config import PipelineConfig
 from .driver import PipelineDriver
 from .policy import CopyInfo, RetryPolicy, load_order, make_tiers
-from .records import read_record, records_under, write_record
+from .record_files import read_record, records_under, write_record
 from .status import StatusRecord
 
 __all__ = ["CheckpointPipeline", "PipelineSave", "LoadResult"]

@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError
 from ..metadata_format import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage
-from .records import read_record
+from .record_files import read_record
 from .status import StatusRecord, freshest
 
 __all__ = ["CopyCheck", "check_copy", "PipelineReport", "inspect_pipeline"]

@@ -30,7 +30,7 @@ from ..metadata_format import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage, list_committed, remove_checkpoint
 from .config import EXPORT_DIR, PipelineConfig, Runner, ThreadRunner
 from .policy import Candidate, pipeline_file, under_retention
-from .records import read_freshest, read_record, records_under, write_record
+from .record_files import read_freshest, read_record, records_under, write_record
 from .replicate import commit_copy, replicate_files
 from .status import StageEntry, StatusRecord
 

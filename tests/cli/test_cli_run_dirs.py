@@ -85,7 +85,7 @@ def test_ls_of_a_ray_train_run(ray_session, tmp_path):
 # ---- steps and depth without Ray --------------------------------------------------------------
 
 def test_ls_steps_come_from_what_was_saved(tmp_path, capsys):
-    from raydcp.pipeline.records import write_record
+    from raydcp.pipeline.record_files import write_record
     from raydcp.pipeline.status import StatusRecord, TierCopy
     from raydcp.storage import CheckpointStorage
 

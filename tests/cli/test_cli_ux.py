@@ -58,7 +58,7 @@ def test_help_and_version_import_no_torch():
 
 @pytest.fixture
 def root(tmp_path):
-    from raydcp.pipeline.records import write_record
+    from raydcp.pipeline.record_files import write_record
     from raydcp.pipeline.status import StatusRecord, TierCopy, plan_stages
     from raydcp.storage import CheckpointStorage
 

@@ -186,7 +186,7 @@ def test_a_save_the_driver_never_heard_of_is_adopted(tiers):
     p = pipeline(tiers, resume=False, verify=False)
     record = p.config.new_record("orphan", 1)
     record.transition("staged@0", "running")
-    from raydcp.pipeline.records import write_record
+    from raydcp.pipeline.record_files import write_record
 
     write_record(CheckpointStorage(f"{urls[0]}/orphan"), record)  # the trainer wrote this, then died
     raydcp.save(make_state(), f"{urls[0]}/orphan")                 # after its save had committed
