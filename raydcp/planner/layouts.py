@@ -1,7 +1,7 @@
 """Layouts: which box of each global tensor every rank of a group holds (pure: no torch, no Ray).
 
 The one home of the layout arithmetic, used by ``raydcp.ShardGroup`` (which allocates and cuts
-pieces with :mod:`raydcp.runtime.shard_group.layouts`) and by the reshard planner (:mod:`raydcp.reshard.plan`):
+pieces with :mod:`raydcp.runtime.shard_group.piece_tensors`) and by the reshard planner (:mod:`raydcp.reshard.plan`):
 
 - ``"dim0"`` (default): FSDP2-style, ``torch.chunk`` pieces along dimension 0:
   pieces of ``ceil(n / world)`` rows, so trailing ranks may hold empty pieces.

@@ -11,7 +11,7 @@ import torch
 
 from raydcp.errors import CheckpointError
 from raydcp.group import Group
-from raydcp.runtime.shard_group.layouts import take_piece
+from raydcp.runtime.shard_group.piece_tensors import take_piece
 from raydcp.runtime.ray_transport import RayTransport
 from raydcp.runtime.shard_group.actor import ShardActor
 from raydcp.state import Shard

@@ -6,7 +6,7 @@ import torch
 
 from raydcp.errors import CheckpointError
 from raydcp.planner.layouts import piece_box
-from raydcp.runtime.shard_group.layouts import empty_state, take_piece
+from raydcp.runtime.shard_group.piece_tensors import empty_state, take_piece
 from raydcp.runtime.shard_group.group import plan_placement
 from raydcp.state import Shard
 

@@ -3,7 +3,7 @@
 - :mod:`.group`: :class:`ShardGroup`, the driver's object (load, save, reshard, full state dict);
 - :mod:`.actor`: :class:`ShardActor`, one member: its pieces and the collective steps it runs;
 - :mod:`.members`: starting the actors in placement groups, and ending them with their last group;
-- :mod:`.layouts`: a group's pieces as tensors (which box each rank holds is ``raydcp.planner.layouts``);
+- :mod:`.piece_tensors`: a group's pieces as tensors (which box each rank holds is ``raydcp.planner.layouts``);
 - ``ShardGroup.reshard``, in memory: :mod:`.group_reshard` (the driver's plan and tasks),
   :mod:`.reshard_steps` (each actor's publish and receive), :mod:`.piece_moves` (the byte copies)
   and :mod:`.rdt` (Ray Direct Transport);

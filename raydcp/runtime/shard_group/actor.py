@@ -24,7 +24,7 @@ from ...state import Shard
 from ...planner.layouts import Specs
 from ...transport import Transport
 from ..ray_transport import RayTransport
-from .layouts import empty_state
+from .piece_tensors import empty_state
 from .reshard_steps import Incoming, publish, receive, receive_direct
 
 __all__ = ["ShardActor"]

@@ -54,7 +54,7 @@ from ..ray_transport import RayTransport
 from . import rdt
 from .actor import ShardActor
 from .group_reshard import check_backend, choose_transport, participants, run_reshard
-from .layouts import empty_state
+from .piece_tensors import empty_state
 from .members import Host, Member, start_members
 from .rdt import check_transport
 
