@@ -127,7 +127,7 @@ def test_a_holder_killed_between_save_and_load_is_named_as_the_loss(name):
 def test_a_holder_killed_during_a_save_is_named_not_a_node_that_left(name, monkeypatch):
     import ray
 
-    write = RayMemFileSystem._write
+    write = RayMemFileSystem.hold
     killed = []
 
     def killing(self, path, data, created_ns):
@@ -136,7 +136,7 @@ def test_a_holder_killed_during_a_save_is_named_not_a_node_that_left(name, monke
             ray.kill(placement.holder(_node()), no_restart=True)
         return write(self, path, data, created_ns)
 
-    monkeypatch.setattr(RayMemFileSystem, "_write", killing)
+    monkeypatch.setattr(RayMemFileSystem, "hold", killing)
     errors = run_ranks(2, lambda t: save_with(t, _state(t.rank, 5), f"raymem://{name}/ckpt", {}), timeout_s=120)[1]
     assert killed and all(e is not None for e in errors), errors
     text = str(errors[0])

@@ -70,10 +70,10 @@ def cap_error(url: str, refusal: dict, *, what: str, detail: str = "") -> NodeCa
 
 def reserve(fs, path: str, save_id: str, bytes_by_site: dict) -> None:
     """Step 2 on the coordinator: reserve the room of save ``save_id`` on every node it reaches."""
-    fs._connect(path)
-    url = fs._url(path)
+    fs.connect(path)
+    url = fs.url(path)
     alive = placement.alive_nodes()
-    replicas = fs._replicas(alive)
+    replicas = fs.replica_count(alive)
     caps = [site[1] for site in bytes_by_site if isinstance(site, tuple) and site[1] is not None]
     cap = min(caps) if caps else fs.node_cap_bytes
     share, own = node_shares(bytes_by_site, alive, replicas, url)
@@ -81,14 +81,14 @@ def reserve(fs, path: str, save_id: str, bytes_by_site: dict) -> None:
         return  # no cap: nothing to refuse
     key = save_key(path, save_id)
     nodes = sorted(share)
-    holders = [placement.holder(n, fs._kind) for n in nodes]
+    holders = [placement.holder(n, fs.holder_kind) for n in nodes]
     now = time.time_ns()
-    answers = fs._gather(nodes, [h.reserve_save.remote(key, share[n], cap, now) for n, h in zip(nodes, holders)],
-                         f"reserve memory for {url}")
+    answers = fs.gather(nodes, [h.reserve_save.remote(key, share[n], cap, now) for n, h in zip(nodes, holders)],
+                        f"reserve memory for {url}")
     refused = [a for a in answers if a is not None]
     if not refused:
         return
-    fs._gather(nodes, [h.release_saves.remote([key]) for h in holders], f"release the reservation of {url}")
+    fs.gather(nodes, [h.release_saves.remote([key]) for h in holders], f"release the reservation of {url}")
     r = refused[0]
     mine = own.get(r["node"], 0)
     # the checkpoints keep_last counts: those beside this one (raydcp.runtime.memstore.commit.retention_scope)
@@ -120,13 +120,13 @@ def node_shares(bytes_by_site: dict, alive: list[str], replicas: int, url: str) 
 
 
 def _held_under(fs, prefix: str, node: str) -> int:
-    return sum(size for size, _, _, held_on in fs._entries(prefix + "/").values() if node in held_on)
+    return sum(size for size, _, _, held_on in fs.entries(prefix + "/").values() if node in held_on)
 
 
 def release(fs, path: str, save_id: str) -> None:
     """Step 4 for a save that failed: give back what it reserved (idempotent)."""
-    fs._connect(path)
-    fs._call_all("release_saves", [save_key(path, save_id)])
+    fs.connect(path)
+    fs.ask_all("release_saves", [save_key(path, save_id)])
 
 
 def release_after_commit(fs, meta_path: str, save_id: str, started_ns: int) -> None:
@@ -141,11 +141,11 @@ def release_after_commit(fs, meta_path: str, save_id: str, started_ns: int) -> N
     name = meta_path.split("/", 1)[0]
     base = save_generation(save_id)
     held: dict[str, tuple[int, int]] = {}
-    for found in fs._call_all("reservations", name + "/").values():
+    for found in fs.ask_all("reservations", name + "/").values():
         held.update(found)
     if not held:
         return
-    entries = fs._entries(name + "/")
+    entries = fs.entries(name + "/")
     committed = {p.rsplit("/", 1)[0] for p in entries if p.endswith("/" + METADATA_NAME)}
     doomed = []
     for key, (_, created) in held.items():
@@ -159,4 +159,4 @@ def release_after_commit(fs, meta_path: str, save_id: str, started_ns: int) -> N
                 p.startswith(head + "/") and e[1] >= started_ns for p, e in entries.items()):
             doomed.append(key)
     if doomed:
-        fs._call_all("release_saves", doomed)
+        fs.ask_all("release_saves", doomed)

@@ -33,22 +33,22 @@ __all__ = ["publish", "retain", "retention_scope", "checkpoint_dir", "RETENTION_
 
 def publish(fs, path: str, data: bytes) -> None:
     """Publish the metadata ``path`` once every copy of every file it names is held."""
-    fs._connect(path)
-    url = fs._url(path)
+    fs.connect(path)
+    url = fs.url(path)
     directory = path.rsplit("/", 1)[0] if "/" in path else ""
     md = decode_metadata(data, url)
     names = list(md.files)
-    entries = fs._entries(f"{directory}/" if directory else "")
+    entries = fs.entries(f"{directory}/" if directory else "")
     problems, started = [], None
     for name in names:
         full = f"{directory}/{name}" if directory else name
         got = entries.get(full)
         if got is None:
-            problems.append(f"{fs._url(full)} is held on no alive node")
+            problems.append(f"{fs.url(full)} is held on no alive node")
             continue
         missing = set(got[2]) - got[3]
         if missing:
-            problems.append(f"the copy of {fs._url(full)} on node(s) {sorted(missing)} was lost")
+            problems.append(f"the copy of {fs.url(full)} on node(s) {sorted(missing)} was lost")
         started = got[1] if started is None else min(started, got[1])
     if problems:
         raise CheckpointError(f"{url}: not committed, the previous checkpoint (if any) is unchanged: "
@@ -56,15 +56,15 @@ def publish(fs, path: str, data: bytes) -> None:
     where = {f"{directory}/{n}" if directory else n: entries[f"{directory}/{n}" if directory else n][2]
              for n in names}
     created = time.time_ns()
-    fs._publish_copies(placement.alive_nodes(), path, data, created, where)
+    fs.publish_copies(placement.alive_nodes(), path, data, created, where)
     started = started if started is not None else created
     record = f"{directory}/{RETENTION_RECORD}" if directory else RETENTION_RECORD
     if fs.keep_last:
         # after the metadata: a commit interrupted here leaves the checkpoint out of retention
-        fs._write(record, np.frombuffer(b"", dtype=np.uint8), time.time_ns())
+        fs.hold(record, np.frombuffer(b"", dtype=np.uint8), time.time_ns())
         retain(fs, path, started)
     else:  # saved without keep_last: out of every later save's retention, whatever an earlier save said
-        fs._call_all("remove", [record])
+        fs.ask_all("remove", [record])
     release_after_commit(fs, path, md.save_id, started)
 
 
@@ -89,7 +89,7 @@ def retain(fs, meta_path: str, started_ns: int) -> None:
     scope = retention_scope(meta_path)
     if scope is None:
         return
-    entries = fs._entries(scope + "/")
+    entries = fs.entries(scope + "/")
     dirs: dict[str, list[tuple[str, str, int]]] = {}  # checkpoint dir -> [(path, name in it, created)]
     for path, (_, created, _, _) in entries.items():
         head, sep, rest = path[len(scope) + 1:].partition("/")
@@ -109,10 +109,10 @@ def retain(fs, meta_path: str, started_ns: int) -> None:
                 rest += [p for p, n, _ in own if n != METADATA_NAME]
         elif own and max(c for _, _, c in own) < started_ns:
             leftovers += [p for p, _, _ in own]
-    why = f"released by keep_last={fs.keep_last} when {fs._url(meta_path.rsplit('/', 1)[0])} committed"
+    why = f"released by keep_last={fs.keep_last} when {fs.url(meta_path.rsplit('/', 1)[0])} committed"
     if metas:  # the holders keep why, for a load still reading them (raydcp.runtime.memstore.losses)
-        fs._call_all("remove", metas, [], why)
+        fs.ask_all("remove", metas, [], why)
     if rest:
-        fs._call_all("remove", rest, [], why)
+        fs.ask_all("remove", rest, [], why)
     if leftovers:
-        fs._call_all("remove", leftovers)
+        fs.ask_all("remove", leftovers)

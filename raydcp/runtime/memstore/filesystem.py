@@ -65,7 +65,9 @@ class RayMemFileSystem(AbstractFileSystem):
 
     protocol = "raymem"
     root_marker = ""
-    _kind = "mem"  # which holders (placement.holder kinds) keep this filesystem's files
+    #: Which holders keep this filesystem's files (the ``kind`` of :func:`.placement.holder`): the
+    #: protocol modules (:mod:`.capacity`, :mod:`.commit`, :mod:`.losses`) address the same ones.
+    holder_kind = "mem"
     # One instance per CheckpointStorage (no fsspec instance cache): the views of data files an
     # instance keeps for its reads (below) are released with it, or by close_reads().
     cachable = False
@@ -96,7 +98,7 @@ class RayMemFileSystem(AbstractFileSystem):
         with self._views_lock:
             self._views, self._sources = {}, {}
 
-    # ----------------------------------------------------------------- helpers
+    # --------------------------------------------- helpers (also the protocol modules' interface)
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -104,24 +106,28 @@ class RayMemFileSystem(AbstractFileSystem):
             return [cls._strip_protocol(p) for p in path]
         return str(path).removeprefix("raymem://").strip("/")
 
-    def _url(self, path: str) -> str:
+    def url(self, path: str) -> str:
+        """The URL of ``path`` (a path without the protocol) as a user writes it: what messages name."""
         return f"raymem://{path}"
 
-    def _connect(self, path: str) -> None:
-        placement.ensure_ray(self._url(path), self.timeout_s)
+    def connect(self, path: str) -> None:
+        """Make sure this process is connected to the Ray cluster (within ``timeout_s``) before
+        the holders are asked about ``path``; a failure names ``path``'s URL."""
+        placement.ensure_ray(self.url(path), self.timeout_s)
 
     def _holders(self, nodes: list[str]) -> dict[str, Any]:
         """The holders to ask about ``nodes``' files: those that run (copies die with their holder)."""
-        return placement.existing_holders(nodes, self._kind)
+        return placement.existing_holders(nodes, self.holder_kind)
 
-    def _call_all(self, method: str, *args) -> dict[str, Any]:
-        """``{node: result}`` of ``method`` on the holder of every alive node (:meth:`_holders`) that
-        answered; a dead one is replaced and asked again where :meth:`_holders` starts one."""
-        return self._ask(self._holders(placement.alive_nodes()), method, *args)
+    def ask_all(self, method: str, *args) -> dict[str, Any]:
+        """Ask every alive node's holder: ``{node: result}`` of the holder method ``method`` called
+        with ``args`` on the holder of every alive node (:meth:`_holders`) that answered; a dead one
+        is replaced and asked again where :meth:`_holders` starts one."""
+        return self.ask_holders(self._holders(placement.alive_nodes()), method, *args)
 
-    def _ask(self, holders: dict[str, Any], method: str, *args) -> dict[str, Any]:
-        """``{node: result}`` of ``method`` on ``holders`` (``{node: holder}``) that answered (see
-        :meth:`_call_all`)."""
+    def ask_holders(self, holders: dict[str, Any], method: str, *args) -> dict[str, Any]:
+        """Ask the given holders: ``{node: result}`` of the holder method ``method`` called with
+        ``args`` on those of ``holders`` (``{node: holder handle}``) that answered (see :meth:`ask_all`)."""
         refs = {node: getattr(h, method).remote(*args) for node, h in holders.items()}
         out = {}
         for node, ref in refs.items():
@@ -129,7 +135,7 @@ class RayMemFileSystem(AbstractFileSystem):
                 try:
                     out[node] = ray.get(ref, timeout=self.timeout_s)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    placement.forget(node, self._kind)
+                    placement.forget(node, self.holder_kind)
                     again = self._holders([node]).get(node) if attempt == 0 else None
                     if again is None:
                         break
@@ -140,10 +146,12 @@ class RayMemFileSystem(AbstractFileSystem):
                 break
         return out
 
-    def _entries(self, prefix: str) -> dict[str, tuple[int, int, tuple, set]]:
-        """``{path: (size, created_ns, nodes, held_on)}`` over every alive holder."""
+    def entries(self, prefix: str) -> dict[str, tuple[int, int, tuple, set]]:
+        """What the alive holders hold under ``prefix``: ``{path: (size, created_ns, nodes, held_on)}``,
+        the newest copy of each path; ``nodes`` are those its writer placed it on, ``held_on`` those
+        whose holder has that copy now."""
         merged: dict[str, tuple[int, int, tuple, set]] = {}
-        for node, listing in self._call_all("listing", prefix).items():
+        for node, listing in self.ask_all("listing", prefix).items():
             for path, (size, created, nodes) in listing.items():
                 got = merged.get(path)
                 if got is None or created > got[1]:
@@ -154,29 +162,32 @@ class RayMemFileSystem(AbstractFileSystem):
 
     # ----------------------------------------------------------------- writes
 
-    def _replicas(self, nodes: list[str]) -> int:
+    def replica_count(self, nodes: list[str]) -> int:
+        """How many copies beside the writer's a file gets when ``nodes`` are alive (``replicas``,
+        by default 1 with several nodes)."""
         return self.replicas if self.replicas is not None else (1 if len(nodes) > 1 else 0)
 
-    def _write(self, path: str, data: np.ndarray, created_ns: int) -> list[str]:
-        """Hold ``data`` as ``path`` on the writer's node and on the replica nodes; return them."""
-        self._connect(path)
-        url = self._url(path)
+    def hold(self, path: str, data: np.ndarray, created_ns: int) -> list[str]:
+        """Hold ``data`` as the file ``path`` (created at ``created_ns``) on the writer's node and on
+        the replica nodes, each copy under the node's byte cap; return those nodes."""
+        self.connect(path)
+        url = self.url(path)
         alive = placement.alive_nodes()
-        targets = placement.ring_targets(placement.local_node(), alive, self._replicas(alive), url)
+        targets = placement.ring_targets(placement.local_node(), alive, self.replica_count(alive), url)
         holders = [placement.holder(n) for n in targets]
         token = uuid.uuid4().hex
         size = int(data.nbytes)
         # the cap is for data files: the commit log and status records (a few KB) are not refused
         cap = self.node_cap_bytes if is_data_file(path) else None
         try:
-            refused = self._gather(targets, [h.reserve.remote(token, size, cap, path) for h in holders],
-                                   f"reserve memory for {url}")
+            refused = self.gather(targets, [h.reserve.remote(token, size, cap, path) for h in holders],
+                                  f"reserve memory for {url}")
             refused = [r for r in refused if r is not None]
             if refused:
                 raise cap_error(url, refused[0], what=f"this file of {size} bytes")
             obj = ray.put(data)
-            self._gather(targets, [h.store.remote(path, [obj], size, created_ns, tuple(targets), token)
-                                   for h in holders], f"hold {url}")
+            self.gather(targets, [h.store.remote(path, [obj], size, created_ns, tuple(targets), token)
+                                  for h in holders], f"hold {url}")
             del obj
         except BaseException:
             for h in holders:
@@ -188,9 +199,11 @@ class RayMemFileSystem(AbstractFileSystem):
             raise
         return targets
 
-    def _gather(self, nodes: list[str], refs: list, what: str, again=None) -> list:
-        """The results of ``refs`` (calls on the holders of ``nodes``); ``again()`` makes them anew,
-        once, where a holder died on a live node (a disk tier's: its successor finds its files)."""
+    def gather(self, nodes: list[str], refs: list, what: str, again=None) -> list:
+        """Wait for calls on the holders of ``nodes``: the results of ``refs``, or a CheckpointError
+        saying which nodes did not answer in time or died, and that nothing was committed (``what``
+        names the step: "could not {what}"). ``again()`` makes the calls anew, once, where a holder
+        died on a live node (a disk tier's: its successor finds its files)."""
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -199,10 +212,10 @@ class RayMemFileSystem(AbstractFileSystem):
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.ObjectLostError) as exc:
             for n in nodes:
-                placement.forget(n, self._kind)
+                placement.forget(n, self.holder_kind)
             alive = set(placement.alive_nodes())
             if again is not None and set(nodes) <= alive:
-                return self._gather(nodes, again(), what)
+                return self.gather(nodes, again(), what)
             left = [n for n in nodes if n not in alive]
             happened = (f"node(s) {left} left the cluster" if left else
                         f"a holder on node(s) {nodes} died (killed or crashed) though its node is alive")
@@ -227,9 +240,9 @@ class RayMemFileSystem(AbstractFileSystem):
         if mode == "create":
             self._create(path, data)
         elif path.rsplit("/", 1)[-1] == METADATA_NAME:
-            self._commit(path, data)
+            self.commit_metadata(path, data)
         else:
-            self._write(path, np.frombuffer(data, dtype=np.uint8), time.time_ns())
+            self.hold(path, np.frombuffer(data, dtype=np.uint8), time.time_ns())
 
     def _create(self, path: str, data: bytes) -> None:
         """Exclusive creation (a commit log's generation file, :mod:`raydcp.storage.commits`): held
@@ -242,18 +255,18 @@ class RayMemFileSystem(AbstractFileSystem):
         different nodes: then they meet again on the others, and at most one passes them all)
         takes back only the copies marked with its own token. A copy on every alive node makes a
         later creator meet it wherever it starts."""
-        self._connect(path)
-        url = self._url(path)
+        self.connect(path)
+        url = self.url(path)
         nodes = placement.alive_nodes()
         token, created = uuid.uuid4().hex, time.time_ns()
         made: list[str] = []
 
         def create(batch: list[str]) -> None:
-            holders = [placement.holder(n, self._kind) for n in batch]
+            holders = [placement.holder(n, self.holder_kind) for n in batch]
             refs = [h.create.remote(path, data, created, tuple(nodes), token, self._create_at(path, n))
                     for n, h in zip(batch, holders)]
             made.extend(batch)  # taken back on failure: uncreate leaves another creator's file alone
-            if not all(self._gather(batch, refs, f"create {url}")):
+            if not all(self.gather(batch, refs, f"create {url}")):
                 raise FileExistsError(url)
 
         try:
@@ -262,7 +275,7 @@ class RayMemFileSystem(AbstractFileSystem):
                 create(nodes[1:])
         except BaseException:
             if made:
-                refs = [placement.holder(n, self._kind).uncreate.remote(path, token) for n in made]
+                refs = [placement.holder(n, self.holder_kind).uncreate.remote(path, token) for n in made]
                 try:
                     ray.get(refs, timeout=self.timeout_s)
                 except Exception:
@@ -273,23 +286,26 @@ class RayMemFileSystem(AbstractFileSystem):
         """Where a node's holder writes a created file (None: in its object store)."""
         return None
 
-    def _commit(self, path: str, data: bytes) -> None:
+    def commit_metadata(self, path: str, data: bytes) -> None:
+        """Commit a checkpoint: publish its metadata ``data`` as ``path`` once every file it names
+        is held, then release what ``keep_last`` no longer keeps (:func:`.commit.publish`)."""
         from .commit import publish
 
         publish(self, path, data)
 
-    def _publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
-        """Hold the metadata ``path`` on every node of ``nodes`` (one atomic replace each)."""
-        holders = [placement.holder(n, self._kind) for n in nodes]
-        self._gather(nodes, [h.store_bytes.remote(path, data, created_ns, tuple(nodes), where) for h in holders],
-                     f"publish {self._url(path)}")
+    def publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
+        """Hold the metadata ``path`` on every node of ``nodes`` (one atomic replace each), with
+        ``where`` (``{file: nodes}``, the placement of the files it names) beside it."""
+        holders = [placement.holder(n, self.holder_kind) for n in nodes]
+        self.gather(nodes, [h.store_bytes.remote(path, data, created_ns, tuple(nodes), where) for h in holders],
+                    f"publish {self.url(path)}")
 
     def node_of(self, path) -> str | None:
         """The node that holds ``path`` (its writer's node where it still does): where work on
         the file runs best (a pipeline replicates each file from there)."""
         path = self._strip_protocol(path)
-        self._connect(path)
-        entry = self._entries(path).get(path)
+        self.connect(path)
+        entry = self.entries(path).get(path)
         if entry is None:
             return None
         _, _, nodes, held_on = entry
@@ -309,7 +325,7 @@ class RayMemFileSystem(AbstractFileSystem):
             raise ValueError("cat_ranges: paths, starts and ends must have the same length")
         if not paths:
             return []
-        self._connect(paths[0])
+        self.connect(paths[0])
         unique = sorted(set(paths))
         local = self._local_arrays(unique)
         wanted: dict[str, list[int]] = {}
@@ -335,7 +351,7 @@ class RayMemFileSystem(AbstractFileSystem):
         into ``out`` (numpy's, without the GIL); else through :meth:`cat_ranges`. Used by the
         storage layer's ``read_into_many`` in place of ``cat_ranges`` plus a copy."""
         path = self._strip_protocol(path)
-        self._connect(path)
+        self.connect(path)
         arr = self._local_arrays([path]).get(path)
         if arr is None:
             datas = self.cat_ranges([path] * len(requests), [s for s, _ in requests],
@@ -345,7 +361,7 @@ class RayMemFileSystem(AbstractFileSystem):
         total = 0
         for (start, view), data in zip(requests, datas):
             if len(data) != len(view):
-                raise ValueError(f"{self._url(path)}: bytes {start}..{start + len(view)} asked, "
+                raise ValueError(f"{self.url(path)}: bytes {start}..{start + len(view)} asked, "
                                  f"{len(data)} there")
             np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
             total += len(view)
@@ -365,13 +381,13 @@ class RayMemFileSystem(AbstractFileSystem):
         if not todo:
             return arrays
         local = placement.local_node()
-        holder = placement.existing_holders([local], self._kind).get(local)
+        holder = placement.existing_holders([local], self.holder_kind).get(local)
         if holder is None:
             return arrays
         try:
             boxed = ray.get(holder.lookup.remote(todo), timeout=self.timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-            placement.forget(local, self._kind)
+            placement.forget(local, self.holder_kind)
             return arrays
         for path, (ref,) in boxed.items():
             try:
@@ -393,7 +409,7 @@ class RayMemFileSystem(AbstractFileSystem):
             if local in ring:  # nearest first: the ring order from this node on
                 i = ring.index(local)
                 ring = ring[i + 1:] + ring[:i]
-            held = self._call_all("sizes", sorted(p for p in wanted if p not in known))
+            held = self.ask_all("sizes", sorted(p for p in wanted if p not in known))
             for path in wanted:
                 if path not in known:
                     sources = [n for n in ring if path in held.get(n, {})]
@@ -406,7 +422,7 @@ class RayMemFileSystem(AbstractFileSystem):
             error: BaseException | None = None
             for node in sources:
                 bounds = [self._bounds(starts[i], ends[i], size) for i in idxs]
-                holder = placement.existing_holders([node], self._kind).get(node)
+                holder = placement.existing_holders([node], self.holder_kind).get(node)
                 try:
                     whole = self._pull(holder, path) if self._pulls and is_data_file(path) and size <= _PULL_MAX \
                         else None
@@ -417,7 +433,7 @@ class RayMemFileSystem(AbstractFileSystem):
                                       timeout=self.timeout_s)
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                         ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError, AttributeError) as exc:
-                    placement.forget(node, self._kind)
+                    placement.forget(node, self.holder_kind)
                     with self._views_lock:
                         self._sources.pop(path, None)
                     error = exc
@@ -430,7 +446,7 @@ class RayMemFileSystem(AbstractFileSystem):
             else:
                 missing = self._missing(path) if error is None else None
                 if missing is None:
-                    why = f"{self._url(path)}: no copy on the cluster's alive nodes"
+                    why = f"{self.url(path)}: no copy on the cluster's alive nodes"
                     if error is not None:
                         why += f" (the holders that had one did not answer: {type(error).__name__})"
                     missing = FileNotFoundError(why)
@@ -476,8 +492,8 @@ class RayMemFileSystem(AbstractFileSystem):
 
     def info(self, path, **kwargs):
         path = self._strip_protocol(path)
-        self._connect(path)
-        entries = self._entries(path)
+        self.connect(path)
+        entries = self.entries(path)
         if path in entries:
             return self._info(path, entries[path])
         if not path or any(p.startswith(path + "/") for p in entries):
@@ -485,13 +501,13 @@ class RayMemFileSystem(AbstractFileSystem):
         missing = self._missing(path) if is_data_file(path) else None
         if missing is not None:  # not just "missing": released, or a committed checkpoint's copies lost
             raise missing
-        raise FileNotFoundError(self._url(path))
+        raise FileNotFoundError(self.url(path))
 
     def ls(self, path, detail=True, **kwargs):
         path = self._strip_protocol(path)
-        self._connect(path)
+        self.connect(path)
         prefix = f"{path}/" if path else ""
-        entries = self._entries(path)
+        entries = self.entries(path)
         if path in entries and not any(p.startswith(prefix) for p in entries):
             return [self._info(path, entries[path])] if detail else [path]
         children: dict[str, dict] = {}
@@ -505,15 +521,15 @@ class RayMemFileSystem(AbstractFileSystem):
             else:
                 children[name] = self._info(p, e)
         if not children and path:
-            raise FileNotFoundError(self._url(path))
+            raise FileNotFoundError(self.url(path))
         items = [children[k] for k in sorted(children)]
         return items if detail else [i["name"] for i in items]
 
     def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
         path = self._strip_protocol(path)
-        self._connect(path)
+        self.connect(path)
         prefix = f"{path}/" if path else ""
-        found = {p: self._info(p, e) for p, e in self._entries(path).items() if p == path or p.startswith(prefix)}
+        found = {p: self._info(p, e) for p, e in self.entries(path).items() if p == path or p.startswith(prefix)}
         if maxdepth is not None:
             found = {p: i for p, i in found.items() if p[len(prefix):].count("/") < maxdepth}
         names = sorted(found)
@@ -537,15 +553,15 @@ class RayMemFileSystem(AbstractFileSystem):
         paths = [self._strip_protocol(p) for p in (path if isinstance(path, (list, tuple)) else [path])]
         if not paths:
             return
-        self._connect(paths[0])
+        self.connect(paths[0])
         metas = [p for p in paths if p.rsplit("/", 1)[-1] == METADATA_NAME]
         if metas:  # the metadata first: an interrupted removal leaves nothing that looks committed
-            self._call_all("remove", metas)
+            self.ask_all("remove", metas)
         prefixes = [f"{p}/" if p else "" for p in paths] if recursive else []
         self.close_reads()
-        self._call_all("remove", [p for p in paths if p not in metas], prefixes)
+        self.ask_all("remove", [p for p in paths if p not in metas], prefixes)
 
     def usage(self) -> dict[str, dict]:
         """``{node: {"held": bytes, "reserved": bytes, "files": n}}`` of every alive holder."""
         placement.ensure_ray("raymem://", self.timeout_s)
-        return self._call_all("usage")
+        return self.ask_all("usage")

@@ -36,27 +36,27 @@ def _ago(ns: int) -> str:
 def missing_error(fs, path: str) -> CheckpointError | None:
     """The error that says why ``path`` has no copy left, or None where nothing is known (see the
     module doc)."""
-    url = fs._url(path)
+    url = fs.url(path)
     directory = checkpoint_dir(path)
     is_meta = path.rsplit("/", 1)[-1] == METADATA_NAME
     released = _released(fs, path)
     if released is not None:
         reason, when = released
         return CheckpointNotFoundError(
-            f"{fs._url(directory)} was {reason} ({_ago(when)}), and {url} with it: nothing is damaged, that "
+            f"{fs.url(directory)} was {reason} ({_ago(when)}), and {url} with it: nothing is damaged, that "
             "checkpoint is no longer kept; load a newer one, or keep more with storage_options['keep_last']",
-            path=fs._url(directory))
+            path=fs.url(directory))
     if is_data_file(path):
         error = _lost_copies(fs, path, url, directory)
         if error is not None:
             return error
-    if fs._kind != "mem":
+    if fs.holder_kind != "mem":
         return None  # a disk tier's files outlive their holder: a new one finds them again
     lost = [entry for entry in _lost_with_holder(fs, directory)
             if directory == entry[1] or directory.startswith(entry[1] + "/")]
     if not lost:
         return None
-    checkpoint = fs._url(lost[0][1])
+    checkpoint = fs.url(lost[0][1])
     where = "; ".join(f"node {node}: committed {_ago(committed)}, its holder lost before {_ago(found)}"
                       for node, _, committed, found in lost)
     text = (f"{checkpoint} was committed, but the holder that held {'it' if is_meta else url} is gone "
@@ -68,22 +68,22 @@ def missing_error(fs, path: str) -> CheckpointError | None:
 
 
 def _released(fs, path: str) -> tuple[str, int] | None:
-    found = [g[path] for g in fs._call_all("gone", [path]).values() if path in g]
+    found = [g[path] for g in fs.ask_all("gone", [path]).values() if path in g]
     return max(found, key=lambda g: g[1]) if found else None
 
 
 def _lost_copies(fs, path: str, url: str, directory: str) -> CheckpointError | None:
     """Step 2: the nodes the committed metadata placed ``path`` on, and what became of them."""
     meta = f"{directory}/{METADATA_NAME}" if directory else METADATA_NAME
-    nodes = next((n for n in fs._call_all("placement_of", meta, path).values() if n), None)
+    nodes = next((n for n in fs.ask_all("placement_of", meta, path).values() if n), None)
     if not nodes:
         return None
-    committed = fs._entries(meta).get(meta)
+    committed = fs.entries(meta).get(meta)
     committed_ns = committed[1] if committed else None
     alive = set(placement.alive_nodes())
     left = [n for n in nodes if n not in alive]
-    running = placement.existing_holders([n for n in nodes if n in alive], fs._kind)
-    started = {n: s for n, (_, s) in fs._ask(running, "ping_started").items()}
+    running = placement.existing_holders([n for n in nodes if n in alive], fs.holder_kind)
+    started = {n: s for n, (_, s) in fs.ask_holders(running, "ping_started").items()}
     replaced = [n for n in nodes if n in alive and (n not in started or (committed_ns is not None
                                                                         and started[n] > committed_ns))]
     parts = []
@@ -101,9 +101,9 @@ def _lost_with_holder(fs, directory: str) -> list[tuple[str, str, int, int]]:
     """Step 3: ``(node, checkpoint directory, committed, found lost)`` for the alive nodes whose
     earlier memory holder held a checkpoint at or around ``directory`` (a holder is started where
     none runs: its record says)."""
-    holders = {n: placement.holder(n, fs._kind) for n in placement.alive_nodes()}
+    holders = {n: placement.holder(n, fs.holder_kind) for n in placement.alive_nodes()}
     out = []
-    for node, answer in fs._ask(holders, "lost", directory).items():
+    for node, answer in fs.ask_holders(holders, "lost", directory).items():
         for d, (committed, found) in sorted(answer["dirs"].items()):
             out.append((node, d, committed, found))
     return out

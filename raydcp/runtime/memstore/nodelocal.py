@@ -38,7 +38,7 @@ class RayNodeFileSystem(RayMemFileSystem):
     """fsspec filesystem ``raynode://``: files on the local disk of the node that wrote them."""
 
     protocol = "raynode"
-    _kind = "disk"
+    holder_kind = "disk"
     # no byte cap on a disk (a full disk fails the write): no room to reserve at the plan step
     writer_site = reserve_save = release_save = None
     _pulls = False  # no objects: a peer's file is read by range from its holder
@@ -53,7 +53,7 @@ class RayNodeFileSystem(RayMemFileSystem):
         path = str(path).removeprefix("raynode://").rstrip("/")
         return path if path.startswith("/") else "/" + path
 
-    def _url(self, path: str) -> str:
+    def url(self, path: str) -> str:
         return f"raynode://{path}"
 
     @staticmethod
@@ -61,38 +61,38 @@ class RayNodeFileSystem(RayMemFileSystem):
         """Where ``path`` lives on the disk of ``node``."""
         return path.replace(NODE_PLACEHOLDER, node)
 
-    def _replicas(self, nodes: list[str]) -> int:
+    def replica_count(self, nodes: list[str]) -> int:
         return 0
 
     def _holders(self, nodes: list[str]) -> dict[str, Any]:
         """Every alive node's disk holder, started where none runs: the files on a node's disk
         outlive its holder, and a new one finds them again (:meth:`MemHolder._discover`)."""
-        return {n: placement.holder(n, self._kind) for n in nodes}
+        return {n: placement.holder(n, self.holder_kind) for n in nodes}
 
-    def _write(self, path: str, data: np.ndarray, created_ns: int) -> list[str]:
-        self._connect(path)
+    def hold(self, path: str, data: np.ndarray, created_ns: int) -> list[str]:
+        self.connect(path)
         node = placement.local_node()
         local = self.local_path(path, node)
         try:
             write_durably(local, [memoryview(data).cast("B")])
         except OSError as exc:
-            raise OSError(f"could not write {self._url(path)} at {local} on node {node}: {exc}") from exc
+            raise OSError(f"could not write {self.url(path)} at {local} on node {node}: {exc}") from exc
         def record():
-            return [placement.holder(node, self._kind).register.remote(path, local, int(data.nbytes), created_ns,
+            return [placement.holder(node, self.holder_kind).register.remote(path, local, int(data.nbytes), created_ns,
                                                                        (node,))]
 
-        self._gather([node], record(), f"record {self._url(path)}", again=record)
+        self.gather([node], record(), f"record {self.url(path)}", again=record)
         return [node]
 
     def _create_at(self, path: str, node: str) -> str | None:
         return self.local_path(path, node)
 
-    def _publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
+    def publish_copies(self, nodes: list[str], path: str, data: bytes, created_ns: int, where: dict) -> None:
         def publish():
-            return [placement.holder(n, self._kind).store_file.remote(path, self.local_path(path, n), data, created_ns,
+            return [placement.holder(n, self.holder_kind).store_file.remote(path, self.local_path(path, n), data, created_ns,
                                                                       tuple(nodes), where) for n in nodes]
 
-        self._gather(nodes, publish(), f"publish {self._url(path)}", again=publish)
+        self.gather(nodes, publish(), f"publish {self.url(path)}", again=publish)
 
     def cat_ranges(self, paths, starts, ends, max_gap=None, on_error="return", **kwargs):
         """Byte ranges: from this node's own files where it holds them (positional reads of exactly
@@ -104,7 +104,7 @@ class RayNodeFileSystem(RayMemFileSystem):
             ends = [ends] * len(paths)
         if not paths:
             return []
-        self._connect(paths[0])
+        self.connect(paths[0])
         node = placement.local_node()
         out: list[Any] = [None] * len(paths)
         wanted: dict[str, list[int]] = {}

@@ -48,9 +48,9 @@ class MemWriter:
         self.closed = True
         buf, self._buf = self._buf, bytearray()
         if self.path.rsplit("/", 1)[-1] == METADATA_NAME:
-            self.fs._commit(self.path, bytes(buf))
+            self.fs.commit_metadata(self.path, bytes(buf))
         else:
-            self.fs._write(self.path, np.frombuffer(buf, dtype=np.uint8), self._created)
+            self.fs.hold(self.path, np.frombuffer(buf, dtype=np.uint8), self._created)
 
     def discard(self) -> None:
         self.closed = True
