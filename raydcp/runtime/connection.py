@@ -1,9 +1,11 @@
 """This process's connection to a Ray cluster: made where raydcp needs one, and known per session.
 
 1. :func:`connect` joins the cluster a ``raymem://`` (or ``raynode://``) path lives in when this
-   process is not connected yet: ``RAY_ADDRESS`` where it is set, else the running local one.
-   An address that does not answer fails within the caller's ``timeout_s`` with a
-   :class:`~raydcp.errors.CheckpointError` naming it, rather than Ray retrying for minutes.
+   process is not connected yet: ``RAY_ADDRESS`` where it is set, else the running local one
+   (:func:`cluster_address`). An address that does not answer fails within the caller's
+   ``timeout_s`` with a :class:`~raydcp.errors.CheckpointError` naming it, rather than Ray
+   retrying for minutes: :func:`unreachable` probes it first (also for the memory tier's
+   operator commands, :func:`raydcp.runtime.memstore.admin.connect`).
    Nothing process-wide is changed: not ``RAY_ADDRESS``, not any other variable (a later
    ``ray.init(num_cpus=...)`` of the caller's own is not refused because of raydcp).
 2. :func:`session` names the connection now in use. Actor handles belong to the session that
@@ -18,14 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 
 import ray
 
 from ..engine.persist import add_helper_environment
 from ..errors import CheckpointError
 
-__all__ = ["ADDRESS_ENV", "connect", "session", "helper_environment"]
+__all__ = ["ADDRESS_ENV", "connect", "cluster_address", "unreachable", "session", "helper_environment"]
 
 ADDRESS_ENV = "RAY_ADDRESS"
 
@@ -48,16 +49,26 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def _unreachable(address: str, timeout_s: float) -> str | None:
-    """Why nothing answers at ``address`` (a TCP connection to it, within ``timeout_s``); None
-    where something listens or the address is not one to probe."""
+def cluster_address(address: str | None = None) -> str:
+    """The address to join: ``address`` where given, else ``RAY_ADDRESS``, else ``auto`` (the
+    running local cluster)."""
+    return address or os.environ.get(ADDRESS_ENV) or "auto"
+
+
+def unreachable(address: str, timeout_s: float) -> str | None:
+    """Why nothing answers at ``address`` (a TCP connection to it, within ``timeout_s``), in words
+    for a message that names the address; None where something listens or the address is not
+    one to probe (``auto``, ``local``: Ray resolves them on this machine)."""
     target = _host_port(address)
     if target is None:
         return None
-    deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection(target, timeout=max(deadline - time.monotonic(), 0.1)):
+        with socket.create_connection(target, timeout=max(timeout_s, 0.001)):
             return None
+    except socket.timeout:
+        return "no answer"
+    except ConnectionRefusedError:
+        return "connection refused: nothing listens there"
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -66,9 +77,9 @@ def connect(url: str, timeout_s: float) -> None:
     """Step 1: connect this process to the Ray cluster of ``url`` if it is not connected yet."""
     if ray.is_initialized():
         return
-    address = os.environ.get(ADDRESS_ENV) or "auto"
+    address = cluster_address()
     source = f"{ADDRESS_ENV}={address}" if address != "auto" else "the running local cluster (address 'auto')"
-    why = _unreachable(address, timeout_s)
+    why = unreachable(address, timeout_s)
     if why is not None:
         raise CheckpointError(
             f"{url}: raymem:// checkpoints live in a Ray cluster's memory, and the cluster at {address} (from "

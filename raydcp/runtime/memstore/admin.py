@@ -5,8 +5,9 @@ on the Ray cluster this process is connected to; :func:`connect` connects it fir
 bound, so that an unreachable address is one error naming it rather than minutes of retries.
 
 1. :func:`connect` (``address``, else ``RAY_ADDRESS``, else the local cluster): a TCP probe of
-   the address first (nothing listening is refused at once, an address that does not answer
-   within ``timeout_s`` fails then), then ``ray.init`` bounded by what is left of ``timeout_s``;
+   the address first (:func:`raydcp.runtime.connection.unreachable`: nothing listening is refused
+   at once, an address that does not answer within ``timeout_s`` fails then), then ``ray.init``
+   bounded by what is left of ``timeout_s``;
 2. :func:`checkpoints` lists what the holders of the alive nodes hold, one row per checkpoint
    directory: the committed ones (a ``raydcp.meta`` there), and the files of saves that have not
    committed (in flight, or failed and not yet released by a later commit);
@@ -26,8 +27,6 @@ silently counted as empty.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,7 +36,7 @@ import ray
 from ...errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError
 from ...metadata_format import decode_metadata  # raydcp's own codec, no pickle
 from ...storage import METADATA_NAME
-from .. import actors
+from .. import actors, connection
 from . import placement
 from .commit import checkpoint_dir
 from .filesystem import RayMemFileSystem
@@ -137,11 +136,11 @@ def connect(address: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
         raise CheckpointError(f"timeout must be a number of seconds > 0, got {timeout_s!r}")
     if not ray.is_initialized():
-        target = address or os.environ.get("RAY_ADDRESS") or "auto"
+        target = connection.cluster_address(address)
         deadline = time.monotonic() + timeout_s
-        hostport = _host_port(target)
-        if hostport is not None:
-            _probe(target, *hostport, deadline, timeout_s)
+        why = connection.unreachable(target, timeout_s)
+        if why is not None:
+            raise _unreachable(target, timeout_s, why)
         _init(target, deadline, timeout_s)
 
 
@@ -151,29 +150,6 @@ def _unreachable(target: str, timeout_s: float, why: str, pending: bool = False)
         f"no Ray cluster reachable at {where} within {timeout_s:g}s ({why}); start one (`ray start --head`), "
         "or give the address of a running one's head node (host:port) in RAY_ADDRESS or --address (address=)",
         address=target, timeout_s=timeout_s, pending=pending)
-
-
-def _host_port(target: str) -> tuple[str, int] | None:
-    """``(host, port)`` of an explicit address (``host:port``, ``ray://host:port``); None for
-    ``auto`` and ``local``, which Ray resolves on this machine."""
-    rest = target.split("://", 1)[-1].rstrip("/")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return None
-    return host.strip("[]"), int(port)
-
-
-def _probe(target: str, host: str, port: int, deadline: float, timeout_s: float) -> None:
-    left = deadline - time.monotonic()
-    try:
-        with socket.create_connection((host, port), timeout=max(left, 0.001)):
-            return
-    except socket.timeout:
-        raise _unreachable(target, timeout_s, "no answer") from None
-    except ConnectionRefusedError:
-        raise _unreachable(target, timeout_s, "connection refused: nothing listens there") from None
-    except OSError as exc:
-        raise _unreachable(target, timeout_s, f"{type(exc).__name__}: {exc}") from None
 
 
 def _init(target: str, deadline: float, timeout_s: float) -> None:
