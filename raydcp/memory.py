@@ -1,8 +1,8 @@
 """Operating the memory tier (``raymem://``) from Python: what ``raydcp mem ls|rm|usage|stop`` does.
 
-```python
-import raydcp.memory as mem
+With ``mem = raydcp.memory``:
 
+```python
 mem.connect()                                  # RAY_ADDRESS or the local cluster, within 15 s
 for c in mem.checkpoints():                    # every checkpoint directory held in memory
     print(c.url, c.step, c.bytes, c.committed_at)
