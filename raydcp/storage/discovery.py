@@ -115,13 +115,18 @@ def find_checkpoints(root: str | os.PathLike, storage_options: dict | None = Non
         raise CheckpointError(f"max_depth must be an integer >= 0, got {max_depth!r}")
     fs, path, url = open_fs(root, storage_options, "root")
     with translating("list the checkpoints under", url):
-        try:
-            info = fs.info(path)
-        except FileNotFoundError:
-            info = None
+        info = _info(fs, path)
         if info is None or info.get("type") != "directory":
             raise _not_a_directory(fs, path, url, info)
         return _walk(fs, path, url, is_plain_local(os.fspath(root), fs), max_depth, max_dirs)
+
+
+def _info(fs, path: str) -> dict | None:
+    """``fs.info(path)``, or None where nothing is there."""
+    try:
+        return fs.info(path)
+    except FileNotFoundError:
+        return None
 
 
 def _few(found: tuple[FoundCheckpoint, ...]) -> str:
@@ -147,15 +152,13 @@ def not_found_error(fs, path: str, url: str) -> CheckpointNotFoundError:
     """Why ``path`` (on ``fs``; shown as ``url``) holds no committed checkpoint, as the error to raise.
 
     Looks, in this order, for: the path itself (missing, or a file); a save there that has not
-    committed (the commit log ``_raydcp/``); another format; committed checkpoints below it (up to
-    :data:`DEFAULT_DEPTH` levels); data files without metadata. Never raises itself: where the
+    committed (the commit log ``_raydcp/``); committed checkpoints below it (up to
+    :data:`DEFAULT_DEPTH` levels); data files without metadata. Another format there is named by
+    the layers above (:func:`raydcp.convert.detect.with_format_hint`). Never raises itself: where the
     storage cannot be listed the reason is left open.
     """
     try:
-        try:
-            info = fs.info(path)
-        except FileNotFoundError:
-            info = None
+        info = _info(fs, path)
         if info is None or info.get("type") != "directory":
             return _not_a_directory(fs, path, url, info)
         entries = _entries(fs, path)
