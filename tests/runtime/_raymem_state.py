@@ -1,6 +1,8 @@
 """A two-rank state saved to raymem:// by rank threads, for the memory tier's tests on one node."""
 from __future__ import annotations
 
+import uuid
+
 import torch
 
 import raydcp
@@ -33,3 +35,13 @@ def two_rank_state(rank: int, seed: int) -> dict:
 def save_two_ranks(url: str, seed: int, options: dict | None = None) -> list:
     """Save the two ranks' state to ``url`` as threads; returns each rank's error (None where it saved)."""
     return run_ranks(2, lambda t: save_with(t, two_rank_state(t.rank, seed), url, options or {}), timeout_s=120)[1]
+
+
+def fresh_name(ray_session, prefix: str):
+    """A raymem NAME no test used, on a node whose holder answers; removed afterwards (a fixture's body)."""
+    from raydcp.runtime.memstore import placement
+
+    ray_session.get(placement.holder(this_node()).ping.remote())
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    yield name
+    raymem_fs().rm(name, recursive=True)

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-import uuid
 
 import pytest
 import torch
 
 import raydcp
 from raydcp.errors import ConcurrentSaveError
-from raydcp.runtime.memstore import placement
 from raydcp.runtime.memstore.layout import checkpoint_dir, is_data_file, split_data_file
 from raydcp.runtime.memstore.holder import MemHolder
 
 from ._raymem_state import COLS, ROWS
+from ._raymem_state import fresh_name
 from ._raymem_state import raymem_fs as _fs
 from ._raymem_state import save_two_ranks as _save
 from ._raymem_state import this_node as _node
@@ -36,10 +35,7 @@ def _load(url: str) -> dict:
 
 @pytest.fixture
 def name(ray_session):
-    ray_session.get(placement.holder(_node()).ping.remote())
-    name = f"cas-{uuid.uuid4().hex[:8]}"
-    yield name
-    _fs().rm(name, recursive=True)
+    yield from fresh_name(ray_session, "cas")
 
 
 # ----------------------------------------------------------------------------- the holder's compare-and-set

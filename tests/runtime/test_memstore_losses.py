@@ -6,7 +6,6 @@ node that left, a holder lost on a node that stays): tests/cluster.
 """
 from __future__ import annotations
 
-import uuid
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from raydcp.runtime.memstore.layout import is_data_file
 
 from ..engine.helpers import run_ranks
 from ._raymem_state import COLS, ROWS
-from ._raymem_state import raymem_fs as _fs
+from ._raymem_state import fresh_name
 from ._raymem_state import save_two_ranks
 from ._raymem_state import this_node as _node
 from ._raymem_state import two_rank_state as _state
@@ -38,10 +37,7 @@ def _blank() -> dict:
 
 @pytest.fixture
 def name(ray_session):
-    ray_session.get(placement.holder(_node()).ping.remote())
-    name = f"loss-{uuid.uuid4().hex[:8]}"
-    yield name
-    _fs().rm(name, recursive=True)
+    yield from fresh_name(ray_session, "loss")
 
 
 # ----------------------------------------------------------------------------- plain classes
