@@ -448,6 +448,9 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--e2e-repeats", type=int, default=3,
                     help="runs of the end-to-end sequence at each scale (each phase: the median)")
+    ap.add_argument("--rank-points", default="",
+                    help="comma-separated saving rank counts for the end-to-end table in place of 1/4, 1/2 and full "
+                         "scale (e.g. 1024,4096,10240,16384); each loads on ranks x --load-ranks / --ranks ranks")
     ap.add_argument("--end-to-end-only", action="store_true",
                     help="only the end-to-end table (plan + commit + metadata write + read + load plan)")
     args = ap.parse_args()
@@ -470,8 +473,11 @@ def main() -> None:
         points.append(run_raydcp(r, l, args.tensors, args.budget_s))
         gc.collect()
     e2e = []
+    e2e_scales = scales
+    if args.rank_points:
+        e2e_scales = [(r, max(1, round(r * args.load_ranks / args.ranks))) for r in map(int, args.rank_points.split(","))]
     run_end_to_end(4, 2, lambda: raydcp_local_plans(4, 12), lambda: raydcp_load_plans(2, 4, 12), step, lambda m: None)
-    for r, l in scales:
+    for r, l in e2e_scales:
         runs = []
         for i in range(args.e2e_repeats):
             log(f"end to end: {r} ranks x {args.tensors} tensors = {r * args.tensors} pieces; load on {l} ranks "

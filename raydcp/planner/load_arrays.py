@@ -309,6 +309,8 @@ def _needed_parts(a: _Arrays) -> None:
         del c_lo, c_hi, q_lo, q_hi
         p_numel = np.repeat(q_numel[q1] // q1_size, n_c)
         p_numel *= sz_d
+        # a part that spans its chunk in every other dimension is an interval of it on the line
+        line_part = (lo_d, sz_d, np.repeat(other_full, n_c))
         p_key = np.repeat(k1, n_c)  # pair j's chunk is of its request's key
         p_bytes = isz[p_key]
         p_bytes *= p_numel
@@ -331,6 +333,7 @@ def _needed_parts(a: _Arrays) -> None:
             p_q, p_c, box_lo, box_sz = p_q[keep], p_c[keep], take_rows(box_lo, keep), take_rows(box_sz, keep)
         p_numel = rows_prod(box_sz)
         p_key = None
+        line_part = None
         p_bytes = p_numel * isz[s_key[p_c]]
 
         def boxes(sel):
@@ -344,7 +347,7 @@ def _needed_parts(a: _Arrays) -> None:
             f"the checkpoint is damaged: run `raydcp verify` on it and restore it from another copy")
     p_rank = q_rank[p_q]
     a.boxes, a.p_bytes, a.p_c, a.p_numel, a.p_q, a.p_rank = boxes, p_bytes, p_c, p_numel, p_q, p_rank
-    a.p_key, a.whole = p_key, whole
+    a.p_key, a.whole, a.line_part = p_key, whole, line_part
 
 
 def _assign_readers(a: _Arrays) -> None:
@@ -352,9 +355,10 @@ def _assign_readers(a: _Arrays) -> None:
 
     A chunk one request needs (the common case) is read by the rank that needs it; the others
     ("special": several deliveries, or a live chunk) are grouped by chunk, large stored chunks
-    needed in disjoint parts are split into joint reads (:func:`split_large_chunks`), and the
-    rest go largest first to the rank they cost least."""
-    boxes, cstart, isz, nchunks, nd_key, p_bytes = a.boxes, a.cstart, a.isz, a.nchunks, a.nd_key, a.p_bytes
+    needed in disjoint parts are split into joint reads (:func:`split_large_chunks`), a group
+    whose deliveries are all one rank's is read by that rank, and the rest are assigned on
+    arrays (:func:`_shared_readers`); a live chunk goes to its least loaded holder."""
+    boxes, cstart, isz, nchunks, p_bytes = a.boxes, a.cstart, a.isz, a.nchunks, a.p_bytes
     p_c, p_numel, p_rank, s_key, s_nbytes, s_off = a.p_c, a.p_numel, a.p_rank, a.s_key, a.s_nbytes, a.s_off
     s_size, stored, tables, world = a.s_size, a.stored, a.tables, a.world
     npairs = len(p_c)
@@ -385,46 +389,30 @@ def _assign_readers(a: _Arrays) -> None:
     sp_joint = np.zeros(len(sp_heads), bool)
     if len(sp_heads) and a.joint_reads:
         sp, sp_heads, sp_chunk, sp_count, sp_joint = split_large_chunks(
-            sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes, s_off, s_size, s_key, nd_key, isz)
+            sp, sp_heads, sp_chunk, sp_count, p_rank, s_nbytes, live_chunk, boxes, s_off, s_size, s_key, a.nd_key,
+            isz)
     sp_reader = np.full(len(sp_heads), -1, np.int64)
-    sp_nread = np.zeros(len(sp_heads), np.int64)
     if len(sp_heads):
-        lload = load.tolist()
-        todo = []
-        for j, c in enumerate(sp_chunk.tolist()):
-            k = int(s_key[c])
-            nd = max(int(nd_key[k]), 0)
-            grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()
-            co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
-            glo, gsz = boxes(np.array(grp, np.int64))
-            parts = {(tuple(o[:nd]), tuple(z[:nd])) for o, z in zip(glo.tolist(), gsz.tolist())}
-            if len(parts) == 1:
-                sp_nread[j] = int(p_bytes[grp[0]])
-            else:
-                runs = merge_runs([r for o, z in parts for r in byte_runs(co, cs, o, z, int(isz[k]))])
-                sp_nread[j] = sum(e - s for s, e in runs)
-            ranks = {int(p_rank[x]) for x in grp}
-            if len(ranks) == 1 and not live_chunk[c]:
-                sp_reader[j] = ranks.pop()
-                lload[int(sp_reader[j])] += int(sp_nread[j])
-            else:
-                todo.append(j)
-        # the rest largest first (ties: first needed first), each to the rank it costs least
-        todo.sort(key=lambda j: (-int(s_nbytes[sp_chunk[j]]), int(sp[sp_heads[j]])))
-        for j in todo:
-            c = int(sp_chunk[j])
-            grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]].tolist()
-            if live_chunk[c]:
-                r = min(holders_of[c], key=lambda x: (lload[x], x))
-            else:
-                share: dict[int, int] = {}
-                for x in grp:
-                    share[int(p_rank[x])] = share.get(int(p_rank[x]), 0) + int(p_numel[x])
-                isz_k = int(isz[s_key[c]])
-                r = min(share, key=lambda x: (lload[x] - share[x] * isz_k, x))
-            sp_reader[j] = r
-            lload[r] += int(sp_nread[j])
-        load = np.array(lload, np.int64)
+        sp_nread = _group_bytes(a, sp, sp_heads, sp_count)
+        ranks = p_rank[sp]
+        one_rank = np.minimum.reduceat(ranks, sp_heads) == np.maximum.reduceat(ranks, sp_heads)
+        live = live_chunk[sp_chunk]
+        own = one_rank & ~live
+        sp_reader[own] = ranks[sp_heads[own]]
+        shared = np.flatnonzero(~own & ~live)
+        if len(shared):  # frozen loads: the single-rank reads and the groups one rank needs
+            base = load + np.bincount(sp_reader[own], weights=sp_nread[own], minlength=world).astype(np.int64)
+            sp_reader[shared] = _shared_readers(a, sp, sp_heads, sp_count, shared, base)
+        done = sp_reader >= 0
+        load += np.bincount(sp_reader[done], weights=sp_nread[done], minlength=world).astype(np.int64)
+        if live.any():  # live chunks (a transfer): largest first, each to its least loaded holder
+            lload = load.tolist()
+            todo = np.flatnonzero(live)
+            for j in sorted(todo.tolist(), key=lambda j: (-int(s_nbytes[sp_chunk[j]]), int(sp[sp_heads[j]]))):
+                r = min(holders_of[int(sp_chunk[j])], key=lambda x: (lload[x], x))
+                sp_reader[j] = r
+                lload[r] += int(sp_nread[j])
+            load = np.array(lload, np.int64)
         sp_pair_reader = np.repeat(sp_reader, sp_count)
         np.add.at(incoming, p_rank[sp][p_rank[sp] != sp_pair_reader], 1)
     bytes_read = load
@@ -432,6 +420,83 @@ def _assign_readers(a: _Arrays) -> None:
     a.single, = single,
     a.sp, a.sp_chunk, a.sp_count, a.sp_heads, a.sp_joint = sp, sp_chunk, sp_count, sp_heads, sp_joint
     a.sp_reader, = sp_reader,
+
+
+def _group_bytes(a: _Arrays, sp, sp_heads, sp_count) -> np.ndarray:
+    """The bytes each group of pairs reads of its chunk: those of the union of its parts.
+
+    Parts that span their chunk in every dimension but the split one (the usual case) are
+    intervals on it: their union is measured on arrays (sorted by start, each part adding what
+    it reaches past the ones before it). Other groups are measured part by part in byte runs."""
+    isz, p_bytes, p_rank, s_key, s_off, s_size = a.isz, a.p_bytes, a.p_rank, a.s_key, a.s_off, a.s_size
+    ngroups = len(sp_heads)
+    out = np.zeros(ngroups, np.int64)
+    fast = np.zeros(ngroups, bool)
+    g_of = np.repeat(np.arange(ngroups), sp_count)
+    if a.line_part is not None:
+        lo_d, sz_d, full = a.line_part
+        ok = full[sp] & (sz_d[sp] > 0)
+        fast = np.logical_and.reduceat(ok, sp_heads)
+        rows = np.flatnonzero(fast[g_of])
+        if len(rows):
+            lo = lo_d[sp[rows]]
+            hi = lo + sz_d[sp[rows]]
+            span = int(hi.max()) + 1
+            if span * ngroups < (1 << 62):  # every group on its own stretch of one line, in group order
+                g = g_of[rows]
+                lo += g * span
+                hi += g * span
+                order = np.lexsort((lo, g))
+                lo, hi, g = lo[order], hi[order], g[order]
+                reach = np.maximum.accumulate(hi)
+                before = np.empty_like(reach)
+                before[0] = lo[0]
+                before[1:] = reach[:-1]
+                added = hi - np.maximum(lo, before)
+                np.maximum(added, 0, out=added)
+                unit = p_bytes[sp[rows]] // sz_d[sp[rows]]  # bytes per unit of the split dimension
+                out[:] = np.bincount(g, weights=added * unit[order], minlength=ngroups).astype(np.int64)
+            else:
+                fast[:] = False
+    boxes, nd_key = a.boxes, a.nd_key
+    for j in np.flatnonzero(~fast).tolist():
+        grp = sp[sp_heads[j]:sp_heads[j] + sp_count[j]]
+        c = int(a.p_c[grp[0]])
+        k = int(s_key[c])
+        nd = max(int(nd_key[k]), 0)
+        co, cs = tuple(s_off[c, :nd].tolist()), tuple(s_size[c, :nd].tolist())
+        glo, gsz = boxes(grp)
+        parts = {(tuple(o[:nd]), tuple(z[:nd])) for o, z in zip(glo.tolist(), gsz.tolist())}
+        if len(parts) == 1:
+            out[j] = int(p_bytes[grp[0]])
+        else:
+            runs = merge_runs([r for o, z in parts for r in byte_runs(co, cs, o, z, int(isz[k]))])
+            out[j] = sum(e - s for s, e in runs)
+    return out
+
+
+def _shared_readers(a: _Arrays, sp, sp_heads, sp_count, shared, base) -> np.ndarray:
+    """The reader of each group in ``shared`` (stored chunks several ranks need): the needing
+    rank for which (bytes ``base`` gives it - bytes of the chunk it needs) is least; among ranks
+    that tie, the groups take them in turn (a chunk every rank needs whole, a replicated tensor,
+    is spread over the ranks rather than all read by one)."""
+    p_bytes, p_rank = a.p_bytes, a.p_rank
+    cnt = sp_count[shared]
+    pos = np.repeat(sp_heads[shared] - (np.cumsum(cnt) - cnt), cnt) + np.arange(int(cnt.sum()))
+    rows = sp[pos]
+    g = np.repeat(np.arange(len(shared)), cnt)
+    r = p_rank[rows]
+    order = np.lexsort((r, g))  # one row per (group, rank): the bytes of the chunk the rank needs
+    g, r, b = g[order], r[order], p_bytes[rows][order]
+    head = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (r[1:] != r[:-1])])
+    g, r, share = g[head], r[head], np.add.reduceat(b, head)
+    cost = base[r] - share
+    order = np.lexsort((r, cost, g))
+    g, r, cost = g[order], r[order], cost[order]
+    first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    best = cost[first]
+    tied = np.add.reduceat((cost == np.repeat(best, np.diff(np.append(first, len(g))))).astype(np.int64), first)
+    return r[first + np.arange(len(first)) % tied]
 
 
 def _order_reads(a: _Arrays) -> None:
