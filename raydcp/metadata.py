@@ -12,12 +12,13 @@ import numpy as np
 
 from .lazy import LazyMapping
 
-__all__ = ["first_use", "FORMAT_VERSION", "COMPRESSED_FORMAT_VERSION", "READ_MAJORS", "BLOCK_BYTES", "COMPRESSIONS", "ChunkMeta",
+__all__ = ["first_use", "FORMAT_VERSION", "COMPRESSED_FORMAT_VERSION", "REFERENCE_FORMAT_VERSION", "READ_MAJORS", "BLOCK_BYTES", "COMPRESSIONS", "ChunkMeta",
            "ChunkTable", "ChunkColumns", "TensorMeta", "TensorMetas", "Metadata"]
 
 FORMAT_VERSION = (1, 0)              # a checkpoint without compressed pieces (raydcp before compression reads it)
 COMPRESSED_FORMAT_VERSION = (2, 0)   # one with compressed pieces: 1.0 plus each piece's codec and stored length
-READ_MAJORS = (1, 2)                 # the major versions this raydcp reads
+REFERENCE_FORMAT_VERSION = (3, 0)   # one naming files of other checkpoints (a delta checkpoint): 2.0 plus ../ names
+READ_MAJORS = (1, 2, 3)              # the major versions this raydcp reads
 
 # The codecs a piece may be stored with (raydcp.codec.compress). In memory a piece's codec is its
 # 1-based position here, 0 for a raw piece; the metadata file names the codecs (docs/FORMAT.md).

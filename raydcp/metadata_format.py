@@ -12,7 +12,8 @@ On storage (docs/FORMAT.md is the spec) the metadata file ``raydcp.meta`` is::
 
 Version 1.0 when every chunk is stored raw (so a raydcp that reads only 1.x reads it); 2.0,
 1.0 plus the columns ``codec`` and ``stored_nbytes`` and the header's ``codecs``, when some
-chunk is compressed (a 1.x reader refuses it, saying to upgrade).
+chunk is compressed (a 1.x reader refuses it, saying to upgrade); 3.0, 2.0 whose files include
+files of other checkpoints (``../<checkpoint>/data/...``, a delta checkpoint's references).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import pyarrow as pa
 from .codec import checksum, decode_value, encode_value, itemsize
 from .errors import CheckpointDamagedError, CheckpointError
 from .metadata import (BLOCK_BYTES, COMPRESSED_FORMAT_VERSION, COMPRESSIONS, FORMAT_VERSION, READ_MAJORS,
+                       REFERENCE_FORMAT_VERSION,
                        ChunkColumns, ChunkMeta, ChunkTable, Metadata, TensorMeta, TensorMetas, first_use, codec_id)
 
 MAGIC = b"RAYDCPM\n"
@@ -181,8 +183,15 @@ def _header(md: Metadata, names: list[str], files: list[str], specs: tuple[list,
 
 def _envelope(arrays: list, header: dict) -> bytes:
     compressed = len(arrays) > len(_SCHEMA_FIELDS)
-    fields = _SCHEMA_FIELDS + _COMPRESSION_FIELDS if compressed else _SCHEMA_FIELDS
     version = COMPRESSED_FORMAT_VERSION if compressed else FORMAT_VERSION
+    if any(str(f).startswith("../") for f in header["files"]):
+        # version 3: files of other checkpoints referenced (a delta checkpoint); the 2.0 columns always
+        version = REFERENCE_FORMAT_VERSION
+        if not compressed:
+            nbytes = arrays[5]
+            arrays = arrays + [pa.array(np.zeros(len(nbytes), np.uint8)), nbytes]
+            compressed = True
+    fields = _SCHEMA_FIELDS + _COMPRESSION_FIELDS if compressed else _SCHEMA_FIELDS
     schema = pa.schema(fields, metadata={b"raydcp": json.dumps(header, separators=(",", ":"))})
     batch = pa.record_batch(arrays, schema=schema)
     sink = pa.BufferOutputStream()
@@ -241,6 +250,8 @@ def _decode_payload(payload: memoryview, major: int = FORMAT_VERSION[0]) -> Meta
         raise CheckpointError("a tensor is listed twice in the header")
     _check_shapes(specs)
     files = [str(f) for f in header["files"]]
+    if major < REFERENCE_FORMAT_VERSION[0] and any(f.startswith("../") for f in files):
+        raise CheckpointError(f"a file of another checkpoint is named in a version {major} header")
     codecs = None
     if len(fields) > len(_SCHEMA_FIELDS):  # header position -> this raydcp's codec id (0: raw)
         names = [str(c) for c in header.get("codecs", [])]

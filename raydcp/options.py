@@ -162,11 +162,18 @@ class SaveOptions:
     pieces' raw bytes), ``"zstd"`` or ``"lz4"``: each piece is compressed on its own with that
     library codec (pyarrow's), where that makes it smaller, and a load reads a compressed piece
     whole (docs/FORMAT.md). ``io``: the write path's sizes and threads (:class:`IOOptions`).
+
+    ``base``: a delta save (docs/delta.md). A committed checkpoint's path, or ``"previous"``: the
+    newest checkpoint this writer (the Group's name, else this process) committed with a base
+    option in the same parent directory (none: a full save). The pieces whose bytes equal the
+    base's (decided by a content hash of every piece) are not written again: the new checkpoint
+    references the base's files, and loads, reshards, converts and verifies like a full one.
     """
 
     max_file_bytes: int = MAX_FILE_BYTES
     compression: str | None = None
     io: IOOptions = DEFAULT_IO
+    base: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         _check_size("SaveOptions", "max_file_bytes", self.max_file_bytes, ALIGN)
@@ -180,6 +187,10 @@ class SaveOptions:
                 raise CheckpointError(f"SaveOptions.compression={self.compression!r} is not available in this "
                                       f"pyarrow build ({pa.__version__}); choose another codec or None")
         _check_io("SaveOptions", self.io)
+        if self.base is not None and not isinstance(self.base, (str, os.PathLike)):
+            raise CheckpointError(f"SaveOptions.base must be a checkpoint path or 'previous', got {self.base!r}")
+        if isinstance(self.base, os.PathLike):
+            object.__setattr__(self, "base", os.fspath(self.base))
 
     def replace(self, **changes) -> "SaveOptions":
         return replace(self, **changes)

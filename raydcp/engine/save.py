@@ -20,6 +20,7 @@ from ..storage import CheckpointStorage
 from ..storage.capacity import release_save
 from ..transport import Transport
 from .compressed import PieceRows, compressed_file_buffers
+from .delta import DeltaSave, digest_file_name, digest_record, remember_commit, resolve_base, split_reused, writer_of
 from .protocol import commit_round, name_storage_error, plan_round
 from .save_records import StorageRecord
 
@@ -176,7 +177,8 @@ def _file_layouts(files) -> list[tuple[str, list[int], list[int]]]:
 
 def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
                      read: Callable[[str, int, int, int, int], None] | None = None, *,
-                     io: IOOptions = DEFAULT_IO, compression: str | None = None) -> StorageRecord:
+                     io: IOOptions = DEFAULT_IO, compression: str | None = None,
+                     delta: DeltaSave | None = None) -> StorageRecord:
     """Write this rank's files (``io.write_threads`` at once) and return their storage record
     (step 2 of the save protocol, :mod:`raydcp.engine.protocol`): one row per piece.
 
@@ -184,30 +186,50 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
     (:func:`_file_buffers`, with the sizes of ``io``), overlapped with the writes of the other
     files. ``read``, for pieces held by another process, is ``read(file name, item, start,
     nbytes, address)``. With ``compression`` each piece is compressed on its own
-    (:mod:`raydcp.engine.compressed`) and the files are laid out as written.
+    (:mod:`raydcp.engine.compressed`) and the files are laid out as written. With ``delta`` (a
+    save with a base, :mod:`raydcp.engine.delta`) the pieces equal to the base's are referenced,
+    not written, and the rank's digest file is written beside its data files.
     """
+    layouts = _file_layouts(plan.files)
+    if delta is None:
+        return _write_layouts(storage, layouts, staged, read, io, compression)
+    planned = layouts
+    items = staged.plan.items
+    layouts, reused, digests, reused_ids = split_reused(
+        storage, delta.base, plan.rank, plan.save_id, items, planned, staged.sources() if read is None else None,
+        read, io.write_threads, io.write_bytes)
+    record = StorageRecord.concat([_write_layouts(storage, layouts, staged, read, io, compression), reused])
+    if planned:
+        order = [i for _, ids, _ in layouts for i in ids] + reused_ids
+        storage.write_file(digest_file_name(planned[0][0]),
+                           [digest_record(delta.writer, plan.save_id, record, [digests[i] for i in order])])
+    return record
+
+
+def _write_layouts(storage: CheckpointStorage, layouts: list[tuple[str, list[int], list[int]]], staged: StagedState,
+                   read: Callable[[str, int, int, int, int], None] | None, io: IOOptions,
+                   compression: str | None) -> StorageRecord:
+    """Write the files ``layouts`` (name, item indices, byte offsets) and return their record."""
     if compression is not None:
-        return _write_compressed(storage, plan, staged, read, io, compression)
+        return _write_compressed(storage, layouts, staged, read, io, compression)
     items = staged.plan.items
     sources = staged.sources() if read is None else None
     sizes = [it.nbytes for it in items]
     crcs: list[Any] = [None] * len(items)
     blocks: list[tuple[int, ...]] = [()] * len(items)
-    layouts = _file_layouts(plan.files)
     storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks,
                                              None if read is None else partial(read, name), io)
                          for name, ids, offs in layouts}, max_workers=io.write_threads)
     return StorageRecord.written(staged.plan, layouts, crcs, blocks)  # columnar (no object per piece), in file order
 
 
-def _write_compressed(storage: CheckpointStorage, plan: RankWritePlan, staged: StagedState,
-                      read: Callable[[str, int, int, int, int], None] | None, io: IOOptions,
+def _write_compressed(storage: CheckpointStorage, layouts: list[tuple[str, list[int], list[int]]],
+                      staged: StagedState, read: Callable[[str, int, int, int, int], None] | None, io: IOOptions,
                       compression: str) -> StorageRecord:
     """:func:`write_rank_files` with every piece compressed (where that makes it smaller)."""
     items = staged.plan.items
     sizes = [it.nbytes for it in items]
     rows = PieceRows(len(items))
-    layouts = _file_layouts(plan.files)
     if read is None:
         sources = staged.sources()
 
@@ -246,25 +268,39 @@ def save_with(
     options = DEFAULT_SAVE if options is None else options
     rank = transport.rank
     local: Any
+    delta: DeltaSave | None = None
     try:
         if staged is None:
             staged = local_save_plan(rank, flatten_state(state_dict), compare_replicas=transport.world_size > 1)
         local = staged.plan
+        delta = delta_save(transport, checkpoint_id, storage_options, options)
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
     plan, header = plan_round(transport, local, plan_options(options), checkpoint_id=checkpoint_id,
                               storage_options=storage_options)
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
-        written: Any = (write_rank_files(storage, plan, staged, io=options.io, compression=options.compression),
-                        header)
+        written: Any = (write_rank_files(storage, plan, staged, io=options.io, compression=options.compression,
+                                         delta=delta), header)
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     try:
-        return commit_round(transport, written, checkpoint_id, storage_options)
+        md = commit_round(transport, written, checkpoint_id, storage_options)
     except CheckpointError as exc:
         discard_after_failure(storage, [plan], exc)
         raise
+    if delta is not None:
+        remember_commit(storage, delta.writer)
+    return md
+
+
+def delta_save(transport: Transport, checkpoint_id: str, storage_options: dict | None,
+               options: SaveOptions) -> DeltaSave | None:
+    """The base of a save with ``options.base`` as this rank sees it (None: no base asked for)."""
+    if options.base is None:
+        return None
+    writer = writer_of(transport)
+    return DeltaSave(resolve_base(CheckpointStorage(checkpoint_id, storage_options), options.base, writer), writer)
 
 
 def plan_options(options: SaveOptions, *, save_id: str | None = None, cap: int | None = None) -> SavePlanOptions:

@@ -58,6 +58,7 @@ import secrets
 from typing import Iterable
 
 from ..errors import CheckpointError, ConcurrentSaveError
+from . import references
 from ._common import METADATA_NAME, forget, is_local, translating
 
 __all__ = ["LOG_DIR", "begin_save", "save_generation", "current_generation", "commit_generation", "prune",
@@ -72,12 +73,14 @@ _GEN = re.compile(r"^_raydcp/gen-(\d{12}|[1-9]\d{12,})\.meta$")
 _BEGUN = re.compile(r"^_raydcp/begun-(g\d+-[0-9a-f]{12})$")
 _SAVE_ID = re.compile(r"^g(\d+)-[0-9a-f]{12}$")
 _LEGACY_SAVE_ID = re.compile(r"^[0-9a-f]{16}$")  # save ids before the commit log
-# the files raydcp writes in data/<save_id>/: rank files, round files, the round journal
-_OWN_FILE = re.compile(r"^(?:\d{5}/)?r\d{5}-f\d{3}\.bin$|^journal/(?:job|\d{5})\.json$")
+# the files raydcp writes in data/<save_id>/: rank files (and a delta save's digest files), round files,
+# the round journal
+_OWN_FILE = re.compile(r"^(?:\d{5}/)?r\d{5}-f\d{3}\.(?:bin|xxh3)$|^journal/(?:job|\d{5})\.json$")
 # the other files raydcp writes in a checkpoint directory: the metadata (and the temporary file of
-# its atomic publish on a local disk), the commit log's records
+# its atomic publish on a local disk), the commit log's records, a delta base's pins and tombstone
 _OWN_TOP = re.compile(rf"^{re.escape(METADATA_NAME)}(?:\.tmp-[0-9a-f]{{16}})?$"
-                      r"|^_raydcp/gen-\d{12,}\.meta$|^_raydcp/begun-[^/]+$|^_raydcp/retention$")
+                      r"|^_raydcp/gen-\d{12,}\.meta$|^_raydcp/begun-[^/]+$|^_raydcp/retention$"
+                      r"|^_raydcp/refs/[^/]+$|^_raydcp/removing$")
 _KEEP_GENERATIONS = 2
 
 
@@ -301,16 +304,28 @@ def prune(storage, generation: int, save_id: str, replaced_save_id: str | None =
       metadata by the caller; the only way to clean a save from before the commit log);
     - the ``begun`` records of saves begun on another generation, and generation files older
       than the last two.
-    Saves begun on ``generation`` itself started after this commit and stay. Best effort: a
+    Saves begun on ``generation`` itself started after this commit and stay, and so do saves whose
+    files a delta checkpoint references (:mod:`raydcp.storage.references`: decided under the
+    tombstone, as a removal is). Best effort: a
     failure leaves garbage for the next commit, never an error.
     """
     own = save_id.split("/", 1)[0]
+    pinned = False
     try:
         log = _log(storage)
         records = set(_begun_ids(log))
         previous: list[bytes | None] = []  # read once, when needed
+        referenced: set[str] | None = set()  # saves here that delta checkpoints reference: they stay
+        if storage.list_files(f"{references.PIN_DIR}/"):
+            pinned = True
+            storage.write_file(references.TOMBSTONE, [b""])
+            needed, stale = references.referenced_files(storage)
+            referenced = None if needed is None else {n.split("/", 2)[1] for n in needed if n.startswith("data/")}
+            storage.remove_files(stale)
         for sid in _save_dirs(storage):
             if sid == own or not _SAVE_ID.match(sid) or save_generation(sid) == generation:
+                continue
+            if referenced is None or sid in referenced:
                 continue
             if sid not in records:
                 if not previous:
@@ -324,10 +339,15 @@ def prune(storage, generation: int, save_id: str, replaced_save_id: str | None =
         stale = [f"{LOG_DIR}/begun-{sid}" for sid in records if sid != own and save_generation(sid) != generation]
         if stale:
             storage.remove_files(stale)
-        if replaced_save_id and replaced_save_id.split("/", 1)[0] != own:
-            remove_save_files(storage, replaced_save_id.split("/", 1)[0])
+        replaced = replaced_save_id.split("/", 1)[0] if replaced_save_id else None
+        if replaced and replaced != own and referenced is not None and replaced not in referenced:
+            remove_save_files(storage, replaced)
         old = [_gen_name(g) for g in _generations(log) if g <= generation - _KEEP_GENERATIONS]
         if old:
             storage.remove_files(old)
     except CheckpointError:
         pass
+    finally:
+        if pinned:
+            with contextlib.suppress(CheckpointError):
+                storage.remove_files([references.TOMBSTONE])

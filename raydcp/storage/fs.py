@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
-from . import _local
+from . import _local, references
 from ._common import (
     METADATA_NAME,
     check_name,
@@ -19,6 +20,7 @@ from ._common import (
     is_transient,
     missing_file_error,
     open_fs,
+    to_url,
     translating,
     truncated_file_error,
 )
@@ -77,9 +79,29 @@ class CheckpointStorage:
     def _full(self, name: str) -> str:
         return f"{self.path}/{check_name(name, self.url)}"
 
+    def _read_path(self, name: str) -> str:
+        """The path of ``name`` to read: a file of this checkpoint, or one of another checkpoint
+        that a delta checkpoint references (``../step-9/data/...``, :mod:`.references`)."""
+        if references.is_reference(name):
+            return references.resolve(self.path, references.check_reference(name, self.url))
+        return self._full(name)
+
+    def at(self, path: str) -> "CheckpointStorage":
+        """The checkpoint directory at ``path`` on this one's filesystem (a path, no protocol)."""
+        plain = self.url == os.path.normpath(self.path) and self._local
+        return type(self)(to_url(self.fs, path, plain_local=plain), self.storage_options)
+
     def file_url(self, name: str) -> str:
         """The URL (or local path) of the file ``name`` of this checkpoint, as shown in messages."""
+        if references.is_reference(name):
+            return posixpath.normpath(f"{self.url}/{name}") if "://" not in self.url else \
+                self.url.split("://", 1)[0] + "://" + posixpath.normpath(f"{self.url.split('://', 1)[1]}/{name}")
         return f"{self.url}/{name}"
+
+    def _missing(self, name: str) -> CheckpointError:
+        if references.is_reference(name):
+            return references.missing_base_error(self.file_url(name), self.url, name)
+        return missing_file_error(self.file_url(name), self.url)
 
     def _ensure_dir(self, directory: str) -> None:
         if self._needs_mkdir and directory not in self._made_dirs:
@@ -202,7 +224,7 @@ class CheckpointStorage:
         Ranges that touch or overlap are read once together and sliced without copying; no byte
         outside the requested ranges is read.
         """
-        path = self._full(name)
+        path = self._read_path(name)
         plan = plan_ranges(ranges, self.file_url(name))
         if not plan.spans:
             return plan.slices([])
@@ -260,7 +282,7 @@ class CheckpointStorage:
         read, straight into ``out``; other filesystems fetch every range in one ``cat_ranges``.
         Safe to call from several threads at once.
         """
-        path = self._full(name)
+        path = self._read_path(name)
         todo: list[tuple[int, memoryview]] = []
         end = 0
         for start, out in requests:
@@ -339,7 +361,7 @@ class CheckpointStorage:
 
     def read_file(self, name: str) -> bytes:
         """The whole content of ``name``."""
-        path = self._full(name)
+        path = self._read_path(name)
         with translating("read", self.file_url(name)):
             if self._local:
                 fd = self._open_local(name, path)
@@ -348,12 +370,12 @@ class CheckpointStorage:
             try:
                 return self.fs.cat_file(path)
             except FileNotFoundError:
-                raise missing_file_error(self.file_url(name), self.url) from None
+                raise self._missing(name) from None
 
     def _open_local(self, name: str, path: str) -> int:
         fd = _local.open_for_read(path)
         if fd is None:
-            raise missing_file_error(self.file_url(name), self.url)
+            raise self._missing(name)
         return fd
 
     def _read_failure(self, name: str, path: str, needed_end: int, cause: BaseException | None) -> CheckpointError:
@@ -366,7 +388,7 @@ class CheckpointStorage:
         except Exception:
             size = -1  # unknown: report the original failure
         if size is None:
-            return missing_file_error(file_url, self.url)
+            return self._missing(name)
         if 0 <= size < needed_end:
             return truncated_file_error(file_url, size, needed_end, self.url)
         reason = describe(cause) if cause is not None else "short read"
@@ -389,7 +411,7 @@ class CheckpointStorage:
 
     def file_size(self, name: str) -> int | None:
         """Size of ``name`` in bytes, or None if there is no such file."""
-        path = self._full(name)
+        path = self._read_path(name)
         with translating("look up", self.file_url(name)):
             return self._size(path)
 

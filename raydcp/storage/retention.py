@@ -29,6 +29,7 @@ from ._common import (
     to_url,
     translating,
 )
+from . import references
 from .commits import linked, raydcp_file
 from .fs import CheckpointStorage
 
@@ -94,27 +95,55 @@ def remove_checkpoint(url: str | os.PathLike, storage_options: dict | None = Non
     2. then every other file whose name (relative to the checkpoint) follows raydcp's naming
        (:func:`~raydcp.storage.commits.raydcp_file`) or ``also`` (a layer above names its own
        files: the pipeline its status record and exports), never one reached through a symbolic
-       link below the checkpoint;
-    3. directories left empty go with them (local disks; elsewhere directories are prefixes).
+       link below the checkpoint, and never one that a delta checkpoint still references
+       (:mod:`raydcp.storage.references`: those stay, with the pins that keep them, until no
+       checkpoint references them);
+    3. directories left empty go with them (local disks; elsewhere directories are prefixes);
+    4. the checkpoints this one referenced (a delta checkpoint's bases) that were removed before
+       it are swept: their files that no checkpoint references any more go.
 
     The other files (a README beside the data, a user's file in ``data/``) are returned, and
     their directories stay.
     """
     storage = CheckpointStorage(url, storage_options)
+    owners = references.referenced_owners(storage) if storage.is_committed() else []
+    left = _remove_unreferenced(storage, also)
+    for path in owners:
+        owner = storage.at(path)
+        if not owner.is_committed():
+            _remove_unreferenced(owner, None)
+    return left
+
+
+def _remove_unreferenced(storage: CheckpointStorage, also: Callable[[str], bool] | None) -> list[str]:
     names = storage.list_files()
     through_link = {d for d in {n.rsplit("/", 1)[0] for n in names if "/" in n} if linked(storage, d)}
     own = [n for n in names if (raydcp_file(n) or (also is not None and also(n)))
            and ("/" not in n or n.rsplit("/", 1)[0] not in through_link)]
+    pinned = any(n.startswith(f"{references.PIN_DIR}/") for n in own)
+    if pinned:  # referenced by delta checkpoints: removal under a tombstone (see references)
+        storage.write_file(references.TOMBSTONE, [b""])
     if METADATA_NAME in own:
         storage.remove_files([METADATA_NAME])
-    storage.remove_files([n for n in own if n != METADATA_NAME])
+    keep: set[str] = set()
+    if pinned:
+        needed, stale = references.referenced_files(storage)
+        live_pins = {n for n in own if n.startswith(f"{references.PIN_DIR}/")} - set(stale)
+        data = {n for n in own if n.startswith("data/")}
+        keep = (data if needed is None else needed & data) | live_pins
+        if keep:  # the data of the saves kept: their digest files stay beside them
+            dirs = {n.rsplit("/", 1)[0] for n in keep if n.startswith("data/")}
+            keep |= {n for n in data if n.rsplit("/", 1)[0] in dirs and n.endswith(".xxh3")}
+    storage.remove_files([n for n in own if n != METADATA_NAME and n not in keep and n != references.TOMBSTONE])
+    if pinned:
+        storage.remove_files([references.TOMBSTONE])
     if is_local(storage.fs):
         try:
             os.rmdir(storage.path)  # only when nothing else is left in it
         except OSError:
             pass
-    mine = set(own)
-    return [n for n in names if n not in mine]
+    gone = set(own) - keep
+    return [n for n in names if n not in gone and n not in keep]
 
 
 def _subdirectories(fs, root_path: str, links: bool = True) -> list[tuple[str, str]]:

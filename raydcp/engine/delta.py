@@ -1,0 +1,334 @@
+"""Delta saves: write only the pieces that changed since a base checkpoint, reference the rest.
+
+A save with ``SaveOptions(base=...)`` runs the save protocol as usual; in the write step each rank
+(:func:`split_reused`):
+
+1. hashes every piece it was planned to write (xxh3-128 of its bytes, threads in parallel);
+2. looks the piece up in the base: the same tensor and box, a chunk whose digest (recorded by the
+   save that wrote it, in its *digest file*) equals the new one. Unchanged is decided by content
+   only: a changed byte changes the digest, and a chunk without a recorded digest is written;
+3. pins every base directory it will reference (:mod:`raydcp.storage.references`), then checks
+   that none is being removed and that every file it will reference is still there (else it
+   writes those pieces itself);
+4. writes the other pieces (the rank's files laid out again without the reused ones), and records
+   the reused ones as rows naming the base's file and byte range, with the base chunk's checksums:
+   the metadata's ``files`` then include ``../<base>/data/...`` names (format 3.0);
+5. writes its digest file, ``data/<save_id>/r<rank>-f<first file>.xxh3``, with the digest of every
+   piece it wrote or referenced, so the next delta save can compare against this one.
+
+References are always direct: a delta of a delta names the file where the bytes lie, so a load
+reads each piece from one place, however many deltas deep. ``base="previous"`` is the newest
+checkpoint that the same writer (the Group's name, else this process) committed with digests
+under the same parent directory; none found, the save is a full one (with digests).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import struct
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from ..codec import checksum
+from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError
+from ..metadata import COMPRESSIONS, Metadata
+from ..metadata_format import decode_metadata
+from ..planner.save import ALIGN
+from ..storage import CheckpointStorage
+from ..storage import references as refs
+from ..storage.retention import list_committed
+from .save_records import StorageRecord
+
+__all__ = ["PROCESS_WRITER", "writer_of", "DeltaBase", "resolve_base", "split_reused", "digest_file_name",
+           "remember_commit", "DeltaSave", "digest_record"]
+
+# group-less saves of this process: "previous" is what this process committed
+PROCESS_WRITER = f"process-{uuid.uuid4().hex}"
+_MAGIC = b"RAYDCPX\n"
+_PREFIX = struct.Struct("<8sIQ")  # magic, CRC32C of the body, body length
+_LAST: dict[tuple[str, str], str] = {}
+_log = logging.getLogger(__name__)  # (parent url, writer) -> the last checkpoint this process saw it commit
+
+
+def writer_of(transport: Any) -> str:
+    """Who writes a save, for ``base="previous"``: the Group's name, else this process."""
+    group = getattr(transport, "group", None)
+    name = getattr(group, "name", None)
+    return f"group-{name}" if isinstance(name, str) and name else PROCESS_WRITER
+
+
+def digest_file_name(first_file: str) -> str:
+    """The digest file beside a rank's data files (``data/<sid>/r00000-f000.bin`` -> ``...f000.xxh3``)."""
+    return first_file[: -len(".bin")] + ".xxh3" if first_file.endswith(".bin") else first_file + ".xxh3"
+
+
+def _encode_digests(writer: str, save_id: str, files: Sequence[str], offsets: np.ndarray, digests: bytes) -> bytes:
+    head = json.dumps({"writer": writer, "save_id": save_id, "files": list(files)}).encode()
+    body = struct.pack("<I", len(head)) + head + offsets.astype("<i8").tobytes() + digests
+    return _PREFIX.pack(_MAGIC, checksum(body), len(body)) + body
+
+
+def _decode_digests(data: bytes, source: str) -> tuple[dict, np.ndarray, np.ndarray]:
+    """``(header, (file index, byte offset) rows, digests)`` of a digest file; damage is an error."""
+    try:
+        magic, crc, length = _PREFIX.unpack_from(data)
+        body = memoryview(data)[_PREFIX.size:]
+        if magic != _MAGIC or len(body) != length or checksum(body) != crc:
+            raise ValueError("bad magic, length or checksum")
+        (hlen,) = struct.unpack_from("<I", body)
+        head = json.loads(bytes(body[4:4 + hlen]))
+        rest = body[4 + hlen:]
+        n = len(rest) // 32
+        if len(rest) != n * 32:
+            raise ValueError("rows of the wrong length")
+        rows = np.frombuffer(rest[: n * 16], "<i8").reshape(n, 2)
+        return head, rows, np.frombuffer(rest[n * 16:], np.uint8).reshape(n, 16)
+    except (ValueError, struct.error, TypeError) as exc:
+        raise CheckpointDamagedError(f"digest file {source} is damaged ({exc})", file=source) from None
+
+
+@dataclass
+class _Chunk:
+    file: str       # relative to the base
+    byte_offset: int
+    nbytes: int
+    crc: int
+    blocks: tuple
+    codec: int
+    stored: int
+
+
+class DeltaBase:
+    """A committed base checkpoint as one rank of a delta save sees it: its chunks by tensor and
+    box, and (read when first needed) the digests its writers recorded."""
+
+    def __init__(self, storage: CheckpointStorage, md: Metadata, writer: str):
+        self.storage, self.md, self.writer = storage, md, writer
+        self._index: dict[tuple, _Chunk] | None = None
+        self._digests: dict[tuple[str, int], bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    def index(self) -> dict[tuple, _Chunk]:
+        if self._index is None:
+            out: dict[tuple, _Chunk] = {}
+            for key, tm in self.md.tensors.items():
+                for c in tm.chunks:
+                    codec = 0 if c.compression is None else COMPRESSIONS.index(c.compression) + 1
+                    out[(key, tuple(c.offsets), tuple(c.sizes))] = _Chunk(
+                        c.file, c.byte_offset, c.nbytes, c.checksum, tuple(c.block_checksums), codec, c.stored_length)
+            self._index = out
+        return self._index
+
+    def digests(self) -> dict[tuple[str, int], bytes]:
+        """``(file path, byte offset) -> digest`` of the base's chunks (paths resolved, so the
+        digests recorded by the save that wrote a file and by later deltas agree)."""
+        if self._digests is None:
+            sid = self.md.save_id.split("/", 1)[0]
+            out: dict[tuple[str, int], bytes] = {}
+            for name in self.storage.list_files(f"data/{sid}/"):
+                if not name.endswith(".xxh3"):
+                    continue
+                try:
+                    head, rows, digs = _decode_digests(self.storage.read_file(name), self.storage.file_url(name))
+                except CheckpointError as exc:  # its pieces are written again, never guessed
+                    _log.warning("%s; the pieces it covers are written in full by this save", exc)
+                    continue
+                files = [refs.resolve(self.storage.path, str(f)) for f in head.get("files", [])]
+                for (f, off), d in zip(rows.tolist(), digs):
+                    if 0 <= f < len(files):
+                        out[(files[f], off)] = d.tobytes()
+            self._digests = out
+        return self._digests
+
+
+def _piece_digest(source: Any, nbytes: int, read: Callable | None, step: int) -> bytes:
+    if read is None:
+        t = source.detach()
+        if not t.is_cpu:
+            t = t.cpu()
+        view = memoryview(t.contiguous().reshape(-1).view(_uint8()).numpy())
+        return xxhash.xxh3_128_digest(view)
+    h = xxhash.xxh3_128()
+    buf = np.empty(min(step, max(nbytes, 1)), np.uint8)
+    for s in range(0, nbytes, step):
+        e = min(s + step, nbytes)
+        read(s, e - s, buf.ctypes.data)
+        h.update(memoryview(buf)[: e - s])
+    return h.digest()
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8
+
+
+def resolve_base(storage: CheckpointStorage, base: str | os.PathLike, writer: str) -> DeltaBase | None:
+    """The base of a delta save to ``storage``: ``base`` itself (which must be committed, on the same
+    filesystem), or for ``"previous"`` the newest checkpoint committed with digests by ``writer``
+    beside ``storage`` (None: there is none, the save is a full one)."""
+    if base == "previous":
+        return _previous(storage, writer)
+    try:
+        bs = CheckpointStorage(base, storage.storage_options)
+    except CheckpointError as exc:
+        raise CheckpointError(f"SaveOptions(base={os.fspath(base)!r}): {exc}") from exc
+    if type(bs.fs) is not type(storage.fs) or bs.fs.protocol != storage.fs.protocol:
+        raise CheckpointError(
+            f"SaveOptions(base={bs.url!r}) lies on another filesystem than {storage.url}: a delta checkpoint "
+            "references its base's files, so both must be on one filesystem; save a full checkpoint there "
+            "(no base), or give a base on the same filesystem")
+    if posixpath.normpath(bs.path) == posixpath.normpath(storage.path):
+        raise CheckpointError(
+            f"SaveOptions(base={bs.url!r}) is the path being saved: the new save replaces it, so it cannot "
+            "be its base; save to a new directory (e.g. one per step) with base='previous'")
+    md = _committed(bs)
+    if md is None:
+        raise CheckpointNotFoundError(
+            f"SaveOptions(base={bs.url!r}): no committed checkpoint there; give the path of a committed "
+            "checkpoint, or base='previous'")
+    return DeltaBase(bs, md, writer)
+
+
+def _committed(storage: CheckpointStorage) -> Metadata | None:
+    try:
+        if not storage.is_committed():
+            return None
+        return decode_metadata(storage.read_metadata_bytes(), storage.file_url("raydcp.meta"))
+    except CheckpointNotFoundError:
+        return None
+
+
+def _previous(storage: CheckpointStorage, writer: str) -> DeltaBase | None:
+    parent = posixpath.dirname(storage.path.rstrip("/"))
+    parent_storage = storage.at(parent)
+    own = posixpath.normpath(storage.path)
+    remembered = _LAST.get((parent_storage.url, writer))
+    candidates: list[str] = []
+    if remembered is not None:
+        candidates.append(remembered)
+    try:
+        found = list_committed(parent_storage.url, storage.storage_options, links=False)
+    except CheckpointError:
+        found = []
+    candidates += [c.url for c in reversed(found)]
+    for url in dict.fromkeys(candidates):
+        cand = CheckpointStorage(url, storage.storage_options)
+        if posixpath.normpath(cand.path) == own:
+            continue
+        md = _committed(cand)
+        if md is None:
+            continue
+        sid = md.save_id.split("/", 1)[0]
+        try:
+            names = [n for n in cand.list_files(f"data/{sid}/") if n.endswith(".xxh3")]
+            if not names:
+                continue
+            head, _, _ = _decode_digests(cand.read_file(names[0]), cand.file_url(names[0]))
+        except CheckpointError as exc:
+            _log.warning("%s; %s is not used as a base", exc, cand.url)
+            continue
+        if head.get("writer") == writer:
+            return DeltaBase(cand, md, writer)
+    return None
+
+
+@dataclass(frozen=True)
+class DeltaSave:
+    """What one rank's write step of a delta save needs: the base (None: a full save that records
+    digests) and who writes (for ``base="previous"``)."""
+
+    base: DeltaBase | None
+    writer: str
+
+
+def remember_commit(storage: CheckpointStorage, writer: str) -> None:
+    """After a save with digests committed: ``"previous"`` by ``writer`` beside it is it."""
+    parent = storage.at(posixpath.dirname(storage.path.rstrip("/")))
+    _LAST[(parent.url, writer)] = storage.url
+
+
+def split_reused(storage: CheckpointStorage, base: DeltaBase | None, rank: int, save_id: str, items: Sequence,
+                 layouts: list[tuple[str, list[int], list[int]]], sources: Sequence | None,
+                 read: Callable[[str, int, int, int, int], None] | None, threads: int, step: int,
+                 ) -> tuple[list[tuple[str, list[int], list[int]]], StorageRecord, dict[int, bytes], list[int]]:
+    """Steps 1-3 for one rank's files ``layouts``: ``(layouts of what to write, offsets laid out
+    again; a record of the reused pieces' rows; item -> digest of every piece; the reused items,
+    in the record's order)``."""
+    owner_of_item = {i: name for name, ids, _ in layouts for i in ids}
+    order = [i for _, ids, _ in layouts for i in ids]
+
+    def digest_of(i: int) -> bytes:
+        src = None if sources is None else sources[i]
+        rd = None if read is None else (lambda s, n, a, _f=owner_of_item[i], _i=i: read(_f, _i, s, n, a))
+        return _piece_digest(src, items[i].nbytes, rd, step)
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        digests = dict(zip(order, pool.map(digest_of, order)))
+    reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file as named from the new checkpoint
+    if base is not None:
+        index, known = base.index(), None
+        for i in order:
+            it = items[i]
+            c = index.get((it.key, tuple(it.offsets), tuple(it.sizes)))
+            if c is None or c.nbytes != it.nbytes:
+                continue
+            if known is None:
+                known = base.digests()
+            if known.get((refs.resolve(base.storage.path, c.file), c.byte_offset)) == digests[i]:
+                reused[i] = (c, refs.reference_to(storage.path, base.storage.path, c.file))
+        reused = _pinned(storage, reused, rank, save_id)
+    kept = []
+    for name, ids, _ in layouts:
+        todo = [i for i in ids if i not in reused]
+        if todo:
+            offs, pos = [], 0
+            for i in todo:
+                pos = -(-pos // ALIGN) * ALIGN
+                offs.append(pos)
+                pos += items[i].nbytes
+            kept.append((name, todo, offs))
+    rows = [(items[i].key, tuple(items[i].offsets), tuple(items[i].sizes), ref, c.byte_offset, c.nbytes, c.crc,
+             c.blocks) for i, (c, ref) in reused.items()]
+    record = StorageRecord.from_rows(rows, [c.codec for c, _ in reused.values()] if rows else None,
+                                     [c.stored for c, _ in reused.values()] if rows else None)
+    return kept, record, digests, list(reused)
+
+
+def _pinned(storage: CheckpointStorage, reused: dict, rank: int, save_id: str) -> dict:
+    """Pin each base directory the reused pieces lie in, then keep only the pieces of bases that
+    are not being removed and whose files are all still there (:mod:`raydcp.storage.references`)."""
+    by_owner: dict[str, list[int]] = {}
+    for i, (_, ref) in reused.items():
+        by_owner.setdefault(refs.owner_of(ref), []).append(i)
+    out = {}
+    for owner_rel, ids in by_owner.items():
+        owner = storage.at(posixpath.normpath(f"{storage.path}/{owner_rel}"))
+        try:
+            files = {reused[i][1] for i in ids}
+            refs.write_pin(owner, posixpath.relpath(storage.path, owner.path), save_id, rank,
+                           [f[len(owner_rel) + 1:] for f in files])
+            if refs.tombstoned(owner):
+                continue
+            if any(storage.file_size(f) is None for f in files):
+                continue
+        except CheckpointError:
+            continue  # the base is not reachable as it should be: write these pieces
+        out.update((i, reused[i]) for i in ids)
+    return out
+
+
+def digest_record(writer: str, save_id: str, record: StorageRecord, digests: Sequence[bytes]) -> bytes:
+    """The digest file's bytes for the rows of ``record`` (in order), ``digests[row]`` each."""
+    return _encode_digests(writer, save_id, record.files, np.stack([record.file, record.byte_offsets], 1)
+                           if len(record) else np.zeros((0, 2), np.int64), b"".join(digests))
