@@ -7,71 +7,118 @@ import numpy as np
 
 from ..metadata import ChunkTable
 from .arrays import take_rows
-from .types import PackedNames, RankLoadPlan, ReadTable, StoredChunks
+from .types import PackedNames, RankLoadPlan, ReadTable, StoredChunks, packed_rows
 
 
 def read_tables(a) -> list[RankLoadPlan]:
-    """Every rank's :class:`RankLoadPlan`: its reads as one :class:`ReadTable` (columns sliced
-    from the reads of all ranks), what it receives, its plain values and byte counts. ``a``: the
-    columns of the planner's earlier phases (:class:`.load_arrays._Arrays`)."""
-    block_arrays, boxes, bytes_read, cstart, dtypes = a.block_arrays, a.boxes, a.bytes_read, a.cstart, a.dtypes
-    files, = a.files,
-    incoming, keys, local_plans, nd_key, needed = a.incoming, a.keys, a.local_plans, a.nd_key, a.needed
-    nreads, = a.nreads,
-    p_q, p_rank, pairs, pb, q_item, rb = a.p_q, a.p_rank, a.pairs, a.pb, a.q_item, a.rb
-    rchunk, rjoint, s_blen, s_boff, s_bstart, s_crc = a.rchunk, a.rjoint, a.s_blen, a.s_boff, a.s_bstart, a.s_crc
-    s_file, s_key, s_nbytes, s_off, s_size, sp_heads = a.s_file, a.s_key, a.s_nbytes, a.s_off, a.s_size, a.sp_heads
-    stored, tables, values, whole = a.stored, a.tables, a.values, a.whole
-    d_lo, d_sz = (None, None) if whole else boxes(pairs)
-    if whole and pairs is None and a.p_key is not None:  # read i is pair i, its part the whole chunk:
-        key, (off, size) = a.p_key, boxes(None)  # key and box from the requests' columns, in order
+    """Every rank's :class:`RankLoadPlan`: its reads as one :class:`ReadTable`, what it receives,
+    its plain values and byte counts. ``a``: the columns of the planner's earlier phases
+    (:class:`.load_arrays._Arrays`). Stored chunks: the reads of all ranks are laid out once, as
+    the two matrices of :meth:`ReadTable.of_rows`, one row per read and per delivery, rank after
+    rank; each rank's table is its rows of them (views: no copy, no array per column)."""
+    if not a.stored:
+        return _object_tables(a)
+    boxes, nreads, p_q, p_rank, pairs, pb, rb = a.boxes, a.nreads, a.p_q, a.p_rank, a.pairs, a.pb, a.rb
+    rchunk, rjoint, s_blen, s_bstart = a.rchunk, a.rjoint, a.s_blen, a.s_bstart
+    width = a.s_off.shape[1]
+    own_boxes = not a.whole
+    nr, nd = packed_rows(width, own_boxes)
+    r_of = np.repeat(np.arange(a.world), np.diff(rb))  # each read's rank
+    reads = np.empty((nreads, nr), np.int64)
+    if a.whole and pairs is None and a.p_key is not None:  # read i is pair i, its part the whole chunk:
+        off, size = boxes(None)  # key and box from the requests' columns, in order
+        reads[:, 0], reads[:, 7:7 + width], reads[:, 7 + width:] = a.p_key, off, size
+        del off, size
     else:
-        key, off, size = s_key[rchunk], take_rows(s_off, rchunk), take_rows(s_size, rchunk)
-    cols = {"key": key, "offsets": off, "sizes": size,
-            "nbytes": s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
-            "d_item": q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,
-            "joint": rjoint if len(sp_heads) and rjoint.any() else None}
-    if stored:
-        bounds = np.zeros(nreads + 1, np.int64)
-        total = 0
-        if s_blen.any():  # some chunk has block checksums (none has where every chunk is small)
-            bl = s_blen[rchunk]
-            np.cumsum(bl, out=bounds[1:])
-            total = int(bounds[-1])
-        values_all = np.zeros(0, np.uint32)
+        np.take(a.s_key, rchunk, out=reads[:, 0])
+        np.take(a.s_off, rchunk, axis=0, out=reads[:, 7:7 + width])
+        np.take(a.s_size, rchunk, axis=0, out=reads[:, 7 + width:])
+    reads[:, 1], rank_files = _rank_files(np.take(a.s_file, rchunk), r_of, rb, a.files)
+    for c, col in ((2, a.s_boff), (3, a.s_nbytes), (4, a.s_crc)):
+        np.take(col, rchunk, out=reads[:, c])
+    np.subtract(pb[:-1], pb[rb[:-1]][r_of], out=reads[:, 5])  # counted from the rank's first
+    bounds = np.zeros(nreads + 1, np.int64)
+    values_all = np.zeros(0, np.uint32)
+    if s_blen.any():  # some chunk has block checksums (none has where every chunk is small)
+        bl = s_blen[rchunk]
+        np.cumsum(bl, out=bounds[1:])
+        total = int(bounds[-1])
         if total:
-            everything = np.concatenate(block_arrays).astype(np.uint32, copy=False)
+            everything = np.concatenate(a.block_arrays).astype(np.uint32, copy=False)
             values_all = everything[np.repeat(s_bstart[rchunk] - bounds[:-1], bl) + np.arange(total)]
-        cols.update({"file": s_file[rchunk], "byte_offset": s_boff[rchunk], "checksum": s_crc[rchunk],
-                     "block_values": values_all, "block_bounds": bounds})
+    np.subtract(bounds[:-1], bounds[rb[:-1]][r_of], out=reads[:, 6])
+    del r_of
+    dels = np.empty((int(pb[-1]), nd), np.int64)
+    if pairs is None:
+        dels[:, 0], dels[:, 1] = p_rank, a.q_item[p_q]
     else:
-        objs = [tables[k][c - cstart[k]] if not isinstance(tables[k], ChunkTable) else
-                StoredChunks(keys[k], dtypes[k], tables[k])[c - cstart[k]]
-                for c, k in zip(rchunk.tolist(), s_key[rchunk].tolist())]
-    # every rank's table names all the keys and files: one packed copy shared by them, so that a
-    # rank's plan travels with a bytes object for each list, not a string per key and per file
-    keys, dtypes, files = PackedNames.of(keys), PackedNames.of(dtypes), PackedNames.of(files)
-    per_read = [(n, x) for n, x in cols.items() if not n.startswith(("d_", "block_")) and x is not None]
-    per_delivery = [(n, x) for n, x in cols.items() if n.startswith("d_") and x is not None]
+        dels[:, 0], dels[:, 1] = p_rank[pairs], a.q_item[p_q[pairs]]
+    if own_boxes:
+        dels[:, 2:2 + width], dels[:, 2 + width:] = boxes(pairs)
+    joint = rjoint if len(a.sp_heads) and rjoint.any() else None
+    keys, dtypes, ndims = PackedNames.of(a.keys), PackedNames.of(a.dtypes), tuple(a.nd_key.tolist())
     rbl = rb.tolist()
     pbl = pb[rb].tolist()  # each rank's first and last delivery
-    bbl = cols["block_bounds"][rb].tolist() if stored else None  # and block checksum
-    incoming, bytes_read, needed = incoming.tolist(), bytes_read.tolist(), needed.tolist()
+    bbl = bounds[rb].tolist()  # and block checksum
+    incoming, bytes_read, needed = a.incoming.tolist(), a.bytes_read.tolist(), a.needed.tolist()
+    values = a.values
     plans = []
-    for r, lp in enumerate(local_plans):
-        a, b = rbl[r], rbl[r + 1]
+    for r, lp in enumerate(a.local_plans):
+        lo, hi = rbl[r], rbl[r + 1]
+        blocks = values_all[bbl[r]:bbl[r + 1]] if bbl[r + 1] > bbl[r] else None
+        table = ReadTable.of_rows(reads[lo:hi], dels[pbl[r]:pbl[r + 1]], blocks,
+                                  None if joint is None else joint[lo:hi], keys, dtypes, ndims, rank_files[r])
+        plans.append(RankLoadPlan(rank=lp.rank, reads=table, incoming=incoming[r],
+                                  values={k: values[k] for k in lp.values if k in values} if lp.values else {},
+                                  bytes_read=bytes_read[r], bytes_needed=needed[r]))
+    return plans
+
+
+def _rank_files(file: np.ndarray, r_of: np.ndarray, rb: np.ndarray, files) -> tuple[np.ndarray, list]:
+    """Each read's file as an index into its rank's own list of files, and those lists (packed):
+    a rank's plan names the files it reads, not every file of the checkpoint (which made every
+    reply as long as the checkpoint has files: a cost in the square of the ranks)."""
+    nfiles = max(len(files), 1)
+    pairs, local = np.unique(r_of * nfiles + file, return_inverse=True)
+    pair_rank = pairs // nfiles
+    first = np.searchsorted(pair_rank, np.arange(len(rb)))  # each rank's first pair (and the end)
+    local = local.reshape(-1) - first[:-1][r_of]
+    names = [files[f] for f in (pairs % nfiles).tolist()]
+    bounds = first.tolist()
+    return local, [PackedNames.of(names[bounds[r]:bounds[r + 1]]) for r in range(len(rb) - 1)]
+
+
+def _object_tables(a) -> list[RankLoadPlan]:
+    """The plans of a load whose sources are live pieces or objects (a transfer): each rank's
+    table of columns sliced from all ranks', its chunks the SourceChunk objects themselves."""
+    boxes, pairs, p_q, p_rank, rchunk, s_key = a.boxes, a.pairs, a.p_q, a.p_rank, a.rchunk, a.s_key
+    d_lo, d_sz = (None, None) if a.whole else boxes(pairs)
+    cols = {"key": s_key[rchunk], "offsets": take_rows(a.s_off, rchunk), "sizes": take_rows(a.s_size, rchunk),
+            "nbytes": a.s_nbytes[rchunk], "d_rank": p_rank if pairs is None else p_rank[pairs],
+            "d_item": a.q_item[p_q if pairs is None else p_q[pairs]], "d_offsets": d_lo, "d_sizes": d_sz,
+            "joint": a.rjoint if len(a.sp_heads) and a.rjoint.any() else None}
+    tables, cstart, keys, dtypes = a.tables, a.cstart, a.keys, a.dtypes
+    objs = [tables[k][c - cstart[k]] if not isinstance(tables[k], ChunkTable) else
+            StoredChunks(keys[k], dtypes[k], tables[k])[c - cstart[k]]
+            for c, k in zip(rchunk.tolist(), s_key[rchunk].tolist())]
+    incoming, bytes_read, needed = a.incoming.tolist(), a.bytes_read.tolist(), a.needed.tolist()
+    keys, dtypes, files = PackedNames.of(keys), PackedNames.of(dtypes), PackedNames.of(a.files)
+    per_read = [(n, x) for n, x in cols.items() if not n.startswith("d_") and x is not None]
+    per_delivery = [(n, x) for n, x in cols.items() if n.startswith("d_") and x is not None]
+    rb, pb = a.rb, a.pb
+    rbl = rb.tolist()
+    pbl = pb[rb].tolist()
+    plans = []
+    for r, lp in enumerate(a.local_plans):
+        lo, hi = rbl[r], rbl[r + 1]
         pa, pz = pbl[r], pbl[r + 1]
-        fields = {name: x[a:b] for name, x in per_read}
+        fields = {name: x[lo:hi] for name, x in per_read}
         for name, x in per_delivery:
             fields[name] = x[pa:pz]
-        if stored:
-            fields["block_values"] = cols["block_values"][bbl[r]:bbl[r + 1]]
-            fields["block_bounds"] = cols["block_bounds"][a:b + 1] - bbl[r]
-        else:
-            fields["sources"] = objs[a:b]
-        reads = ReadTable(keys=keys, dtypes=dtypes, ndims=nd_key, files=files, delivery_bounds=pb[a:b + 1] - pa,
+        fields["sources"] = objs[lo:hi]
+        reads = ReadTable(keys=keys, dtypes=dtypes, ndims=a.nd_key, files=files, delivery_bounds=pb[lo:hi + 1] - pa,
                           **fields)
         plans.append(RankLoadPlan(rank=lp.rank, reads=reads, incoming=incoming[r],
-                                  values={k: values[k] for k in lp.values if k in values},
+                                  values={k: a.values[k] for k in lp.values if k in a.values},
                                   bytes_read=bytes_read[r], bytes_needed=needed[r]))
     return plans

@@ -34,7 +34,7 @@ from ..lazy import LazySequence as _Lazy
 __all__ = ["digest", 
     "TensorSpec", "WriteItem", "LocalSavePlan", "FileSlot", "RankWritePlan", "GlobalSavePlan",
     "ReadItem", "LocalLoadPlan", "SourceChunk", "Delivery", "ChunkRead", "RankLoadPlan",
-    "ItemColumns", "FileTable", "ReadTable", "StoredChunks", "PackedNames",
+    "ItemColumns", "FileTable", "ReadTable", "StoredChunks", "PackedNames", "packed_rows",
 ]
 
 
@@ -297,15 +297,51 @@ class ReadTable(_Lazy):
 
     __slots__ = ("keys", "dtypes", "ndims", "files", "key", "offsets", "sizes", "file", "byte_offset", "nbytes",
                  "checksum", "block_values", "block_bounds", "sources", "delivery_bounds", "d_rank", "d_item",
-                 "d_offsets", "d_sizes", "joint")
+                 "d_offsets", "d_sizes", "joint", "packed")
 
     def __init__(self, **fields):
         for name in self.__slots__:
             setattr(self, name, fields.get(name))
         self._objs = None
 
+    @classmethod
+    def of_rows(cls, reads: np.ndarray, deliveries: np.ndarray, blocks: np.ndarray | None, joint, keys, dtypes,
+                ndims, files) -> "ReadTable":
+        """A table over two int64 matrices, one row per read and one per delivery (the layout
+        :func:`packed_rows` names), with the block checksums of its reads (None: none): what one
+        rank's plan is cut from the matrices of all ranks' reads, and travels as (three arrays,
+        where a table of separate columns would travel as a dozen). The columns are views of the
+        matrices, made on first use."""
+        t = object.__new__(cls)
+        t.keys, t.dtypes, t.ndims, t.files, t.joint, t.sources, t._objs = keys, dtypes, ndims, files, joint, None, None
+        t.packed = (reads, deliveries, blocks)
+        return t
+
+    def __getattr__(self, name: str):
+        # a column of a table made by of_rows, not yet viewed: view them all (__slots__ names only)
+        packed = object.__getattribute__(self, "packed") if name in _COLUMNS else None
+        if packed is None:
+            raise AttributeError(name)
+        reads, deliveries, blocks = packed
+        width = (reads.shape[1] - _R_FIXED) // 2
+        n, m = len(reads), len(deliveries)
+        db = np.empty(n + 1, np.int64)
+        db[:n], db[n] = reads[:, _R_DSTART], m
+        bb = np.empty(n + 1, np.int64)
+        bb[:n], bb[n] = reads[:, _R_BSTART], 0 if blocks is None else len(blocks)
+        boxes = deliveries.shape[1] > _D_FIXED
+        self.key, self.file, self.byte_offset = reads[:, 0], reads[:, 1], reads[:, 2]
+        self.nbytes, self.checksum = reads[:, 3], reads[:, 4]
+        self.offsets, self.sizes = reads[:, _R_FIXED:_R_FIXED + width], reads[:, _R_FIXED + width:]
+        self.delivery_bounds, self.block_bounds = db, bb
+        self.block_values = np.zeros(0, np.uint32) if blocks is None else blocks
+        self.d_rank, self.d_item = deliveries[:, 0], deliveries[:, 1]
+        self.d_offsets = deliveries[:, _D_FIXED:_D_FIXED + width] if boxes else None
+        self.d_sizes = deliveries[:, _D_FIXED + width:] if boxes else None
+        return object.__getattribute__(self, name)
+
     def __len__(self) -> int:
-        return len(self.key)
+        return len(self.packed[0]) if self.packed is not None else len(self.key)
 
     def _build(self) -> tuple:
         nds = [int(x) for x in self.ndims]
@@ -341,7 +377,23 @@ class ReadTable(_Lazy):
         return tuple(out)
 
     def __reduce__(self):
+        if self.packed is not None:
+            return (ReadTable.of_rows, (*self.packed, self.joint, self.keys, self.dtypes, self.ndims, self.files))
         return (_read_table, ({name: getattr(self, name) for name in self.__slots__},))
+
+
+# the columns of ReadTable.of_rows's matrices: per read key, file, byte offset, nbytes, checksum, its
+# first delivery and first block checksum (counted from the table's own), then offsets and sizes;
+# per delivery rank, item, then (where deliveries are not their whole chunks) offsets and sizes
+_R_FIXED, _R_DSTART, _R_BSTART, _D_FIXED = 7, 5, 6, 2
+_COLUMNS = frozenset(("key", "offsets", "sizes", "file", "byte_offset", "nbytes", "checksum", "block_values",
+                      "block_bounds", "delivery_bounds", "d_rank", "d_item", "d_offsets", "d_sizes"))
+
+
+def packed_rows(width: int, boxes: bool) -> tuple[int, int]:
+    """The column counts of :meth:`ReadTable.of_rows`'s matrices for boxes of ``width`` dimensions
+    (``boxes``: deliveries carry boxes of their own)."""
+    return _R_FIXED + 2 * width, _D_FIXED + (2 * width if boxes else 0)
 
 
 def _read_table(fields: dict) -> ReadTable:

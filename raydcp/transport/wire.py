@@ -14,9 +14,11 @@ import io
 import pickle
 from typing import Any, Mapping
 
+import numpy as np
+
 from ..lazy import LazyMapping, LazySequence
-from ..planner.types import (Delivery, FileSlot, LocalLoadPlan, LocalSavePlan, ReadItem, SourceChunk, TensorSpec,
-                             WriteItem)
+from ..planner.types import (Delivery, FileSlot, ItemColumns, LocalLoadPlan, LocalSavePlan, PackedNames, ReadItem,
+                             SourceChunk, TensorSpec, WriteItem)
 
 __all__ = ["Wire", "encode", "decode"]
 
@@ -34,19 +36,38 @@ class Wire:
 
 
 class _Specs(LazyMapping):
-    """A plan's ``tensors`` (key -> TensorSpec) from three lists, the dict built on first lookup."""
+    """A plan's ``tensors`` (key -> TensorSpec) from three lists, the dict built on first lookup.
+    On the wire the lists travel as one pickled blob, unpickled on first use: a coordinator that
+    compares the plans' signatures (every rank describing the same tensors) reads one rank's."""
 
-    __slots__ = ("names", "dtypes", "shapes")
+    __slots__ = ("_lists", "_blob")
 
     def __init__(self, names: list, dtypes: list, shapes: list):
-        self.names, self.dtypes, self.shapes = names, dtypes, shapes
+        self._lists, self._blob = (names, dtypes, shapes), None
         self._dict: dict | None = None
 
+    @classmethod
+    def _of_blob(cls, blob: bytes) -> "_Specs":
+        specs = object.__new__(cls)
+        specs._lists, specs._blob, specs._dict = None, blob, None
+        return specs
+
+    def lists(self) -> tuple[list, list, list]:
+        if self._lists is None:
+            self._lists = pickle.loads(self._blob)
+        return self._lists
+
     def _build(self) -> dict:
-        return dict(zip(self.names, map(TensorSpec, self.dtypes, self.shapes)))
+        names, dtypes, shapes = self.lists()
+        return dict(zip(names, map(TensorSpec, dtypes, shapes)))
+
+    def blob(self) -> bytes:
+        if self._blob is None:
+            self._blob = pickle.dumps(self._lists, protocol=pickle.HIGHEST_PROTOCOL)
+        return self._blob
 
     def __reduce__(self):
-        return (_Specs, (self.names, self.dtypes, self.shapes))
+        return (_Specs._of_blob, (self.blob(),))
 
 
 class _PlanItems(LazySequence):
@@ -75,37 +96,66 @@ class _PlanItems(LazySequence):
         return (tuple, (self._all(),))
 
 
-def _spec_lists(tensors: Mapping) -> tuple[list, list, list] | None:
+def _spec_lists(tensors: Mapping) -> _Specs | None:
     if isinstance(tensors, _Specs) and tensors._dict is None:
-        return tensors.names, tensors.dtypes, tensors.shapes
+        return tensors
     specs = list(tensors.values())
     if not all(type(s) is TensorSpec for s in specs):
         return None
-    return list(tensors), [s.dtype for s in specs], [s.shape for s in specs]
+    return _Specs(list(tensors), [s.dtype for s in specs], [s.shape for s in specs])
 
 
 def _plan_columns(plan) -> tuple | None:
-    """What a local plan travels as, or None where its columns cannot stand for its items."""
+    """What a local plan travels as, or None where its columns cannot stand for its items:
+    its rank, its tensor specs (one blob) and its columns (:func:`_packed_columns`)."""
     cols = getattr(plan, "columns", None)
     if cols is None or len(cols.key) != len(plan.items) or (len(cols.ndim) and int(cols.ndim.min()) < 0):
         return None
-    if isinstance(plan, LocalSavePlan) and (cols.nbytes is None or cols.checksum is None):
+    save = isinstance(plan, LocalSavePlan)
+    if save and (cols.nbytes is None or cols.checksum is None):
         return None
     specs = _spec_lists(plan.tensors)
-    return None if specs is None else (plan.rank, specs, cols)
+    return None if specs is None else (plan.rank, specs.blob(), _packed_columns(cols, save))
 
 
-def _save_plan(rank: int, specs: tuple, columns, values) -> LocalSavePlan:
+def _packed_columns(cols, save: bool) -> tuple:
+    """An ItemColumns as one int64 array (key, ndim, [nbytes, checksum,] offsets, sizes, one after
+    another) and the few values beside it: one buffer to unpickle per rank, not one per column."""
+    n, width = cols.offsets.shape
+    parts = [cols.key, cols.ndim, *((cols.nbytes, cols.checksum) if save else ()), cols.offsets.reshape(-1),
+             cols.sizes.reshape(-1)]
+    return (PackedNames.of(cols.keys), cols.keys_digest, cols.signature, n, width,
+            np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in parts]))
+
+
+def _unpacked_columns(keys, keys_digest, signature, n: int, width: int, buf: np.ndarray, save: bool) -> ItemColumns:
+    c = object.__new__(ItemColumns)
+    c.keys, c.keys_digest, c.signature = keys, keys_digest, signature
+    c.key, c.ndim = buf[:n], buf[n:2 * n]
+    at = 2 * n
+    if save:
+        c.nbytes, c.checksum = buf[at:at + n], buf[at + n:at + 2 * n]
+        at += 2 * n
+    else:
+        c.nbytes = c.checksum = None
+    c.offsets = buf[at:at + n * width].reshape(n, width)
+    c.sizes = buf[at + n * width:at + 2 * n * width].reshape(n, width)
+    return c
+
+
+def _save_plan(rank: int, specs: bytes, columns: tuple, values) -> LocalSavePlan:
     plan = object.__new__(LocalSavePlan)  # its columns came with it: no __post_init__ pass over the items
-    plan.__dict__.update(rank=rank, tensors=_Specs(*specs), items=_PlanItems(columns, True), values=values,
-                         columns=columns)
+    cols = _unpacked_columns(*columns, True)
+    plan.__dict__.update(rank=rank, tensors=_Specs._of_blob(specs), items=_PlanItems(cols, True), values=values,
+                         columns=cols)
     return plan
 
 
-def _load_plan(rank: int, specs: tuple, columns, values, strict: bool) -> LocalLoadPlan:
+def _load_plan(rank: int, specs: bytes, columns: tuple, values, strict: bool) -> LocalLoadPlan:
     plan = object.__new__(LocalLoadPlan)
-    plan.__dict__.update(rank=rank, tensors=_Specs(*specs), items=_PlanItems(columns, False), values=values,
-                         strict=strict, columns=columns)
+    cols = _unpacked_columns(*columns, False)
+    plan.__dict__.update(rank=rank, tensors=_Specs._of_blob(specs), items=_PlanItems(cols, False), values=values,
+                         strict=strict, columns=cols)
     return plan
 
 
