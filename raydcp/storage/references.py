@@ -120,11 +120,11 @@ def _pins(owner) -> list[dict]:
 def referenced_files(owner) -> tuple[set[str] | None, list[str]]:
     """What the live referrers of ``owner`` need of it: ``(names, stale pins)``.
 
-    A pin is live while its referrer holds the save's own ``data/<save_id>/`` (every rank of a
-    delta save writes at least its digest file there) and, for a save not committed yet (no
-    metadata at the referrer), for :data:`PIN_GRACE_S` after it was written. ``names`` are file
-    names relative to the owner. The other pins are returned as stale: their referrer is gone,
-    was replaced by a later save, or never committed.
+    A pin is live while its referrer is committed and holds the save's own ``data/<save_id>/``
+    (every rank of a delta save writes at least its digest file there), and, for a save in flight
+    (its ``begun`` record there, no metadata yet), for :data:`PIN_GRACE_S` after it was written.
+    ``names`` are file names relative to the owner. The other pins are returned as stale: their
+    referrer was removed (retention removes its metadata and records), or never committed.
     """
     keep: set[str] = set()
     stale: list[str] = []
@@ -132,12 +132,12 @@ def referenced_files(owner) -> tuple[set[str] | None, list[str]]:
     for pin in _pins(owner):
         referrer = owner.at(posixpath.normpath(f"{owner.path}/{pin['referrer']}"))
         try:
-            committed = referrer.exists(METADATA_NAME)
-            alive = bool(referrer.list_files(f"data/{pin['save_id']}/"))
+            committed = referrer.exists(METADATA_NAME) and bool(referrer.list_files(f"data/{pin['save_id']}/"))
+            begun = referrer.exists(f"_raydcp/begun-{pin['save_id']}")
         except CheckpointError:
-            committed = alive = True  # cannot tell: keep (a removal never guesses towards deleting)
+            committed = begun = True  # cannot tell: keep (a removal never guesses towards deleting)
         young = now - float(pin.get("created_at", 0) or 0) < PIN_GRACE_S
-        if alive and (committed or young):
+        if committed or (begun and young):
             keep.update(str(f) for f in pin["files"])
         else:
             stale.append(pin["name"])

@@ -257,8 +257,8 @@ def test_readers_refuse_what_they_cannot_read_with_the_next_step():
     md = Metadata("s", 1, 0.0, {"a": TensorMeta("float32", (4,), (ChunkMeta((0,), (4,), "f", 0, 16, 1, (), "zstd", 9),))},
                   {})
     data = encode_metadata(md)
-    with pytest.raises(CheckpointError, match=r"format version 3\.0 is not supported .* upgrade raydcp") as info:
-        decode_metadata(_rewrite(data, version=(3, 0)))
+    with pytest.raises(CheckpointError, match=r"format version 4\.0 is not supported .* upgrade raydcp") as info:
+        decode_metadata(_rewrite(data, version=(4, 0)))
     assert not isinstance(info.value, CheckpointDamagedError)
     unknown = _rewrite(data, lambda h: h.update(codecs=["brotli"]))
     with pytest.raises(CheckpointError, match=r"compressed with 'brotli', which this raydcp does not know") as info:
