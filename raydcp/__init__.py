@@ -8,7 +8,8 @@ raydcp.train.
 import fsspec as _fsspec
 
 from .errors import (CheckpointDamagedError, CheckpointError, CheckpointNotFoundError, CheckpointReplacedError,
-                     ConcurrentSaveError, CoordinatorLostError, RankFailedError, RanksTimedOutError, StateMismatchError, StorageError)
+                     ConcurrentSaveError, CoordinatorLostError, RankFailedError, RanksLostError, RanksTimedOutError,
+                     StateMismatchError, StateNotCoveredError, StorageError)
 from .group import Group
 from .lazy import lazy_attribute
 
@@ -16,6 +17,7 @@ __all__ = ["save", "async_save", "load", "read_metadata", "prepare_group", "Shar
            "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError", "ConcurrentSaveError",
            "StateMismatchError",
            "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
+           "RanksLostError", "StateNotCoveredError",
            "Metadata", "ShardGroup", "SaveOptions", "LoadOptions", "IOOptions", "__version__"]
 __version__ = "0.1.0"
 

@@ -47,7 +47,8 @@ class GroupBinding:
     """What one call of the public API runs over: made by :func:`resolve_group`.
 
     ``open_transport()`` opens the transport of the call's operation (for a Ray group this
-    numbers the operation, so call it once per operation); ``persister(options)`` is the
+    numbers the operation, so call it once per operation; ``open_transport(survivors=True)`` one
+    that goes on without lost ranks, for a Ray group only); ``persister(options)`` is the
     asynchronous persister of this rank.
     """
 
@@ -91,7 +92,7 @@ def resolve_group(group: Group | None) -> GroupBinding:
     from .runtime.persister import RayPersister, persister_for_this_process
     from .runtime.ray_transport import open_transport
 
-    return GroupBinding(group, lambda: open_transport(group),
+    return GroupBinding(group, lambda **kw: open_transport(group, **kw),
                         lambda options: RayPersister(group, persister_for_this_process(options.persist_nice)))
 
 
@@ -153,10 +154,19 @@ def save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
     """Save ``state_dict`` (this rank's part of it) as one checkpoint; returns its metadata.
 
     ``options`` (:class:`~raydcp.options.SaveOptions`; every rank passes the same): the data
-    files' size cap and the write path's IOOptions."""
+    files' size cap and the write path's IOOptions; ``survivors=True`` (a Ray group) commits
+    without ranks that die during the save where the others hold all of the state
+    (:mod:`raydcp.engine.survivors`)."""
     ckpt = _checkpoint_id(checkpoint_id)
     options = _options(options, SaveOptions, DEFAULT_SAVE)
-    transport = resolve_group(group).open_transport()
+    binding = resolve_group(group)
+    if options.survivors and binding.group is not None and binding.group.world_size > 1:
+        from .engine.survivors import save_survivors_with
+
+        with _gc_paused():
+            return save_survivors_with(lambda: binding.open_transport(survivors=True), state_dict, ckpt,
+                                       storage_options, options)
+    transport = binding.open_transport()
     try:
         with _gc_paused():
             return save_with(transport, state_dict, ckpt, storage_options, options)
@@ -221,6 +231,10 @@ def async_save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
     binding = resolve_group(group)
     try:
         save_options = _options(options, SaveOptions, DEFAULT_SAVE)
+        if save_options.survivors:
+            raise CheckpointError("async_save does not take SaveOptions(survivors=True): a survivors save is "
+                                  "synchronous (raydcp.save), so that it has committed before the lost ranks' "
+                                  "node is reclaimed")
         async_options = AsyncOptions.from_env(max_staging_bytes=max_staging_bytes)
         persister = binding.persister(async_options)
     except CheckpointError as exc:

@@ -15,6 +15,9 @@ went wrong, so callers branch on the type, never on the message text:
   raydcp error: the user's own code, or a bug in raydcp (``origin`` says which).
 - :class:`CoordinatorLostError` -- the coordinator of a collective operation died.
 - :class:`StorageError` -- the storage refused or failed an operation (``retriable``).
+- :class:`RanksLostError` -- ranks died (their process or node went) during a collective
+  operation; :class:`StateNotCoveredError` -- a survivors save could not commit because
+  some of the state was held only by the lost ranks (``keys``, ``lost_ranks``).
 
 Errors raised on one rank travel to every other rank of the operation as
 :class:`RankFailure` records, so all ranks fail together with the same error
@@ -33,7 +36,7 @@ from typing import Iterator, Mapping, TypeVar
 
 __all__ = ["CheckpointError", "CheckpointNotFoundError", "CheckpointDamagedError", "CheckpointReplacedError",
            "ConcurrentSaveError", "StateMismatchError", "RanksTimedOutError", "RankFailedError", "CoordinatorLostError", "StorageError",
-           "RemoteException", "RankFailure", "user_code"]
+           "RemoteException", "RankFailure", "user_code", "RanksLostError", "StateNotCoveredError", "RankLost"]
 
 
 _E = TypeVar("_E", bound=BaseException)
@@ -185,6 +188,29 @@ class CoordinatorLostError(CheckpointError):
     def __init__(self, message: str, *, dead_rank: int | None = None, failures=None):
         super().__init__(message, failures)
         self.dead_rank = dead_rank
+
+
+class RanksLostError(CheckpointError):
+    """``lost_ranks`` died (their process, actor or node is gone) during a collective operation.
+
+    A survivors save (``SaveOptions(survivors=True)``) goes on without them; ``required`` is
+    what the operation had planned to save before they went (tensor and value keys), so that
+    the survivors' next plan is checked against it.
+    """
+
+    def __init__(self, message: str, *, lost_ranks=(), required=(), failures=None):
+        super().__init__(message, failures)
+        self.lost_ranks = tuple(sorted(int(r) for r in lost_ranks))
+        self.required = tuple(required)
+
+
+class StateNotCoveredError(RanksLostError):
+    """A survivors save could not commit: ``keys`` (tensors or values) were held, whole or in
+    part, only by the ``lost_ranks``; nothing was committed."""
+
+    def __init__(self, message: str, *, keys=(), lost_ranks=(), failures=None):
+        super().__init__(message, lost_ranks=lost_ranks, failures=failures)
+        self.keys = tuple(keys)
 
 
 class StorageError(CheckpointError):
@@ -348,6 +374,15 @@ class RankFailure:
         origin, where = classify(exc)
         text = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
         return cls(rank, describe_failure(rank, exc, origin, where), _portable(exc), origin, text)
+
+
+@dataclass(frozen=True)
+class RankLost:
+    """What a survivors operation's coordinator hands its reduction in place of a rank that died
+    (``reason`` says how it was found gone): the reduction goes on without the rank."""
+
+    rank: int
+    reason: str = "its process is gone"
 
 
 def failures_error(step: str, failures: list[RankFailure]) -> CheckpointError:

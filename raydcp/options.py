@@ -162,6 +162,11 @@ class SaveOptions:
     pieces' raw bytes), ``"zstd"`` or ``"lz4"``: each piece is compressed on its own with that
     library codec (pyarrow's), where that makes it smaller, and a load reads a compressed piece
     whole (docs/FORMAT.md). ``io``: the write path's sizes and threads (:class:`IOOptions`).
+    ``survivors``: the save commits without ranks that die before or during it (their process,
+    actor or node gone), provided the surviving ranks hold every piece of the state (replicas);
+    the metadata records the lost ranks (``Metadata.extra["lost_ranks"]``). Otherwise nothing is
+    committed and every survivor raises one :class:`~raydcp.errors.StateNotCoveredError` naming
+    the keys and ranks. Synchronous saves of a Ray group only (``raydcp.save``).
 
     ``base``: a delta save (docs/delta.md). A committed checkpoint's path, or ``"previous"``: the
     newest checkpoint this writer (the Group's name, else this process) committed with a base
@@ -173,6 +178,7 @@ class SaveOptions:
     max_file_bytes: int = MAX_FILE_BYTES
     compression: str | None = None
     io: IOOptions = DEFAULT_IO
+    survivors: bool = False
     base: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
@@ -187,6 +193,8 @@ class SaveOptions:
                 raise CheckpointError(f"SaveOptions.compression={self.compression!r} is not available in this "
                                       f"pyarrow build ({pa.__version__}); choose another codec or None")
         _check_io("SaveOptions", self.io)
+        if not isinstance(self.survivors, bool):
+            raise CheckpointError(f"SaveOptions.survivors must be True or False, got {self.survivors!r}")
         if self.base is not None and not isinstance(self.base, (str, os.PathLike)):
             raise CheckpointError(f"SaveOptions.base must be a checkpoint path or 'previous', got {self.base!r}")
         if isinstance(self.base, os.PathLike):

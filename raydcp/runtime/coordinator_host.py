@@ -43,6 +43,15 @@ Protocol, as the host sees it (the rank's side is :mod:`raydcp.runtime.ray_trans
    without a running operation at most :attr:`CoordinatorHost.max_idle_owners` are kept, least
    recently used dropped first.
 
+6. A *survivors* operation (a rank's call says so: ``SaveOptions(survivors=True)``) goes on without
+   ranks whose process is gone: while it runs, the host looks every :attr:`CoordinatorHost.watch_every_s`
+   whether each rank's process lives (as in step 2), and a rank found gone (its actor killed, its
+   worker or node lost) is *lost*: it stands in every open and later round as a
+   :class:`~raydcp.errors.RankLost`, which the operation's reductions handle (a survivors save plans
+   and commits without it, :mod:`raydcp.engine.survivors`); the operation ends once every surviving rank
+   closed it. A rank found gone stays gone for the incarnation's later operations. A rank that has not
+   called in the incarnation yet cannot be watched: the survivors wait for it as for any rank.
+
 Concurrency: an asyncio actor. A waiting rank is an awaiting coroutine, and every reduction
 (decoding the ranks' plans, planning, encoding the replies) runs in a worker thread, so a stalled
 rank or a long planning of one group never holds up another group's calls.
@@ -55,9 +64,9 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
-from ..errors import CheckpointError, CoordinatorLostError, RankFailure, raise_failures
+from ..errors import CheckpointError, CoordinatorLostError, RankFailure, RankLost, RanksLostError, raise_failures
 from ..transport import decode, encode
-from .coordinator import Coordinator, planning_pages
+from .coordinator import Coordinator, _Round, planning_pages
 from .operations import Caller
 
 __all__ = ["CoordinatorHost", "OpKey"]
@@ -113,14 +122,69 @@ class _Owner:
 
 
 class _HostedCoordinator(Coordinator):
-    """A Coordinator whose end drops it from its host."""
+    """A Coordinator whose end drops it from its host; in a survivors operation it goes on without
+    the ranks its host found lost (module doc, step 6)."""
 
     def __init__(self, host: "CoordinatorHost", owner: str, gen: int, *args):
         super().__init__(*args)
         self._host, self._owner, self.gen = host, owner, gen
         self._executor = host.executor
+        self.survivors = False  # a survivors operation: lost ranks are stood in for, not waited for
+        self.lost: dict[int, str] = {}  # rank -> how it was found lost
+        self.watcher: asyncio.Task | None = None
+
+    def ended(self) -> bool:
+        return self._finished or self._failed is not None
+
+    def lose(self, rank: int, reason: str) -> None:
+        """Go on without ``rank``: it stands in every open and later round of the operation as a
+        :class:`~raydcp.errors.RankLost` (an empty list of buffers in an exchange), so the rounds
+        the survivors wait in complete without it."""
+        if self.ended() or rank in self.lost or rank in self._closed or not self._valid_rank(rank):
+            return
+        self.lost[rank] = reason
+        for rnd in list(self._rounds.values()):
+            if rnd.results is None and rank not in rnd.values:
+                self._stand_in(rnd, rank)
+                if len(rnd.values) == self.world_size:
+                    asyncio.ensure_future(self._finish_round(rnd))
+
+    def _stand_in(self, rnd: _Round, rank: int) -> None:
+        rnd.values[rank] = {} if rnd.kind == "exchange" else RankLost(rank, self.lost[rank])
+        rnd.calls[rank] = (rnd.kind, rnd.step)
+
+    async def _finish_round(self, rnd: _Round) -> None:
+        """A round the last lost rank completed (as ``_rendezvous`` completes one its last rank did)."""
+        results = await self._complete(rnd)
+        rnd.finish(results)
+        self._rounds.pop(rnd.seq, None)
+
+    async def _rendezvous(self, rank, world_size, seq, kind, step, value, reduce_fn):
+        if rank in self.lost:  # found gone, yet it calls: the survivors went on without it
+            return self.creator_rank, RanksLostError(
+                f"{step}: rank {rank} of group '{self.group_name}' (operation {self.op}) was found lost "
+                f"({self.lost[rank]}) and the other ranks went on without it; this process can no longer take "
+                "part in the operation", lost_ranks=[rank])
+        if (self.lost and not self.ended() and seq not in self._rounds and self._valid_rank(rank)
+                and world_size == self.world_size and rank not in self._closed):
+            rnd = self._rounds[seq] = _Round(seq, kind, step, reduce_fn)
+            for r in self.lost:
+                self._stand_in(rnd, r)
+        return await super()._rendezvous(rank, world_size, seq, kind, step, value, reduce_fn)
+
+    async def close(self, rank: int) -> bool:
+        done = await super().close(rank)
+        if done or self._finished or not self.lost:
+            return done
+        if set(range(self.world_size)) - self.lost.keys() <= self._closed.keys():  # every survivor closed
+            self._finished = True
+            self._on_end()
+            return True
+        return False
 
     def _on_end(self) -> None:
+        if self.watcher is not None and self.watcher is not asyncio.current_task():
+            self.watcher.cancel()
         self._host._drop(self._owner, self)
 
 
@@ -172,6 +236,7 @@ class CoordinatorHost:
     max_retired = 4096  # callers of a group's earlier incarnations remembered (to refuse them)
     sweep_every_s = 1.0  # how often expired records are looked for
     reduction_threads = 32  # reductions of this many operations run at once (more wait for a thread)
+    watch_every_s = 0.2  # how often a survivors operation looks whether its ranks' processes live
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         planning_pages()  # this process plans: ordinary pages for its short-lived arrays
@@ -185,12 +250,15 @@ class CoordinatorHost:
 
     # -- the ranks' calls -----------------------------------------------------------------------
     async def reduce_scatter(self, key: OpKey, timeout_s, rank, world_size, seq, step, local, reduce_fn,
-                             caller: Caller | None = None):
+                             caller: Caller | None = None, survivors: bool = False):
         """``local`` and the reply travel as ``raydcp.transport.Wire`` where the rank could encode them.
-        ``caller``: the process that numbered the operation (None: one unnamed process)."""
+        ``caller``: the process that numbered the operation (None: one unnamed process). ``survivors``:
+        the operation goes on without ranks found lost (module doc, step 6)."""
         coord, ended = await self._coordinator(key, world_size, timeout_s, rank, step, caller)
         if coord is None:
             return ended
+        if survivors:
+            self._survivors(key, coord)
         _, value = await coord.reduce_scatter(rank, world_size, seq, step, local, self._reduction(step, reduce_fn))
         return value
 
@@ -199,10 +267,12 @@ class CoordinatorHost:
         return _OnWire(step, reduce_fn)
 
     async def exchange(self, key: OpKey, timeout_s, rank, world_size, seq, step, outgoing,
-                       caller: Caller | None = None):
+                       caller: Caller | None = None, survivors: bool = False):
         coord, ended = await self._coordinator(key, world_size, timeout_s, rank, step, caller)
         if coord is None:
             return ended
+        if survivors:
+            self._survivors(key, coord)
         _, value = await coord.exchange(rank, world_size, seq, step, outgoing)
         return value
 
@@ -311,6 +381,46 @@ class CoordinatorHost:
                                                        timeout_s)
             self._live += 1
             return coord, None
+
+    # -- survivors operations (module doc, step 6) ----------------------------------------------
+    def _survivors(self, key: OpKey, coord: _HostedCoordinator) -> None:
+        """Make ``coord`` a survivors operation (on its first call that says so) and watch its ranks."""
+        if coord.survivors or coord.ended():
+            return
+        state = self.owners.get(key[0])
+        lin = None if state is None else state.lineages.get(key[1])
+        if lin is None:
+            return
+        coord.survivors = True
+        for rank, caller in lin.callers.items():  # found gone in an earlier operation of the incarnation
+            if caller.id in lin.gone:
+                coord.lose(rank, "its process died")
+        coord.watcher = asyncio.ensure_future(self._watch(lin, coord))
+
+    async def _watch(self, lin: _Lineage, coord: _HostedCoordinator) -> None:
+        """Until ``coord`` ends, look every :attr:`watch_every_s` whether the process of each of its
+        ranks still lives (:meth:`_gone`: Ray fails the wait on an object a dead process owned,
+        whether the process, its actor or its node went); a gone one is lost from the operation."""
+        while not coord.ended():
+            watched = []
+            for rank in range(coord.world_size):
+                if rank in coord.lost or rank in coord._closed:
+                    continue
+                caller = lin.callers.get(rank)
+                if caller is None:  # not bound yet: it has not called in this incarnation
+                    continue
+                if caller.id in lin.gone:
+                    coord.lose(rank, "its process died")
+                elif caller.alive is not None:
+                    watched.append((rank, caller))
+            if watched:
+                found = await self._gone([c for _, c in watched], self.watch_every_s * 4)
+                for (rank, caller), gone in zip(watched, found):
+                    if gone and not coord.ended():
+                        lin.gone.add(caller.id)
+                        coord.lose(rank, "its process died (its actor, worker or node is gone)")
+            if not coord.ended():
+                await asyncio.sleep(self.watch_every_s)
 
     # -- incarnations (module doc, step 2) ------------------------------------------------------
     def _place(self, state: _Owner, lin: _Lineage, group: str, rank: int, world_size: int, caller: Caller,

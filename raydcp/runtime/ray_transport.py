@@ -78,9 +78,10 @@ def _as_buffer(buf: Any) -> pa.Buffer:
     return pa.py_buffer(buf)
 
 
-def open_transport(group: Group, *, host: str | None = None) -> "RayTransport":
-    """The transport of this rank's next operation of ``group`` (numbered per process)."""
-    return RayTransport(group, next_operation(group), host=host)
+def open_transport(group: Group, *, host: str | None = None, survivors: bool = False) -> "RayTransport":
+    """The transport of this rank's next operation of ``group`` (numbered per process).
+    ``survivors``: the operation goes on without ranks found lost (a survivors save)."""
+    return RayTransport(group, next_operation(group), host=host, survivors=survivors)
 
 
 class RayTransport(Transport):
@@ -90,10 +91,11 @@ class RayTransport(Transport):
     that another process numbered (a rank's persister runs the rank's async saves).
     ``host``: the owner of the operation's state in the coordinator host, where it is not the
     group itself: a ShardGroup runs each operation under a fresh group name and releases all
-    of them, by its own name, when it shuts down.
+    of them, by its own name, when it shuts down. ``survivors``: every call says the operation goes
+    on without ranks the host finds lost (their values stand in as ``raydcp.errors.RankLost``).
     """
 
-    def __init__(self, group: Group, op: int | Operation, *, host: str | None = None):
+    def __init__(self, group: Group, op: int | Operation, *, host: str | None = None, survivors: bool = False):
         number, caller = op if isinstance(op, Operation) else (op, this_caller(ray_group=group.world_size > 1))
         self.group = group
         self.op = number
@@ -110,6 +112,7 @@ class RayTransport(Transport):
             if caller.alive is None and caller.id == this_caller(ray_group=False).id:
                 caller = this_caller()  # numbered here before Ray was connected
         self._caller, self._named = caller, caller.named()
+        self._extra = {"survivors": True} if survivors else {}
 
     @property
     def coordinator_name(self) -> str:
@@ -246,11 +249,11 @@ class RayTransport(Transport):
         head = (self._key, self._timeout_s, self.rank, self.world_size, self._seq, step)
         caller = self._caller if self._seq == 1 else self._named  # the host binds the rank on its first call
         try:
-            return remote(*head, value, *args, caller=caller)
+            return remote(*head, value, *args, caller=caller, **self._extra)
         except Exception as exc:  # the value could not be serialized: still take part, as a failure
             failure = RankFailure(self.rank, f"could not send its value to the coordinator: {type(exc).__name__}: {exc}")
             extra = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
-            return remote(*head, failure, *extra, caller=caller)
+            return remote(*head, failure, *extra, caller=caller, **self._extra)
 
     def _host_died(self, step: str, exc: BaseException) -> CoordinatorLostError:
         cause = str(exc).strip().splitlines()
