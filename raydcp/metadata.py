@@ -409,6 +409,22 @@ class Metadata:
                 out[c.file] = out.get(c.file, 0) + c.stored_length
         return out
 
+    @property
+    def references(self) -> dict[str, int]:
+        """A delta checkpoint's bases: each checkpoint whose files it reads, relative to it
+        (``../step-1``) -> the stored bytes it reads from there. Empty for a full checkpoint."""
+        out: dict[str, int] = {}
+        for name, n in self.files.items():
+            if name.startswith("../"):
+                owner = name.rsplit("/data/", 1)[0]
+                out[owner] = out.get(owner, 0) + n
+        return out
+
+    @property
+    def owned_bytes(self) -> int:
+        """The stored bytes in this checkpoint's own files (``stored_bytes`` less what it references)."""
+        return sum(n for name, n in self.files.items() if not name.startswith("../"))
+
     def keys(self) -> list[str]:
         return sorted([*self.tensors, *self.values])
 

@@ -34,6 +34,8 @@ def describe(path: str, md) -> dict[str, Any]:
         "total_bytes": md.total_bytes,
         "stored_bytes": md.stored_bytes,
         "compressions": md.compressions,
+        "owned_bytes": md.owned_bytes,
+        "references": md.references,
         "files": md.files,
         "tensors": {
             key: {"shape": list(t.shape), "dtype": t.dtype, "pieces": len(t.chunks), "bytes": t.nbytes,
@@ -72,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     pieces = sum(len(t.chunks) for t in md.tensors.values())
     out.print(f"{len(md.tensors)} tensors in {pieces} pieces, {human_bytes(md.total_bytes)} ({md.total_bytes} bytes) "
               f"in {len(md.files)} data files; {len(md.values)} plain values")
+    if md.references:
+        bases = ", ".join(f"{human_bytes(n)} from {name}" for name, n in sorted(md.references.items()))
+        out.print(f"delta checkpoint: owns {human_bytes(md.owned_bytes)} ({md.owned_bytes} bytes), "
+                  f"references {esc(bases)}")
     if md.compressions:
         stored = md.stored_bytes
         codecs = ", ".join(f"{n} pieces {name}" for name, n in sorted(md.compressions.items()))

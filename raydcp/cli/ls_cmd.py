@@ -170,11 +170,25 @@ def list_checkpoints(root: str, opts: dict | None, depth: int | None = None) -> 
         row["tensors"] = len(md.tensors) if md is not None else None
         row["pieces"] = sum(len(t.chunks) for t in md.tensors.values()) if md is not None else None
         row["bytes"] = md.total_bytes if md is not None else None
+        row["owned_bytes"] = md.owned_bytes if md is not None else None
+        row["references"] = md.references if md is not None else None
         row["world_size"] = md.world_size if md is not None else None
         row["pipeline_state"] = record.state if record is not None else None
         rows.append(row)
     return {"root": search.root, "depth": depth, "checkpoints": rows,
             "uncommitted": [c.relpath for c in search.uncommitted], "incomplete": search.incomplete}
+
+
+def _owns(row: dict) -> str:
+    """What a checkpoint holds itself; a delta checkpoint's bases beside it."""
+    if row.get("owned_bytes") is None:
+        return "-"
+    refs = row.get("references") or {}
+    if not refs:
+        return human_bytes(row["owned_bytes"])
+    names = sorted(refs)
+    shown = names[0] if len(names) == 1 else f"{names[0]} +{len(names) - 1}"
+    return f"{human_bytes(row['owned_bytes'])} (delta of {shown})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,13 +208,15 @@ def run(args: argparse.Namespace) -> int:
         table = Table(title=safe(f"{args.root}: {len(rows)} committed checkpoint{'s' if len(rows) != 1 else ''}"),
                       title_justify="left")
         for col, justify in (("path", "left"), ("step", "right"), ("tensors", "right"), ("size", "right"),
-                             ("ranks", "right"), ("committed (UTC)", "left"), ("pipeline", "left")):
+                             ("owns", "right"), ("ranks", "right"), ("committed (UTC)", "left"),
+                             ("pipeline", "left")):
             table.add_column(col, justify=justify, overflow="fold" if col == "path" else "ellipsis")
         for r in rows:
             when = _dt.datetime.fromtimestamp(r["committed_at"], tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             table.add_row(safe(r["name"]), "-" if r["step"] is None else str(r["step"]),
                           "-" if r["tensors"] is None else str(r["tensors"]),
                           "-" if r["bytes"] is None else human_bytes(r["bytes"]),
+                          _owns(r),
                           "-" if r["world_size"] is None else str(r["world_size"]), when,
                           safe(r["pipeline_state"] or "-"))
         out.print(table)
