@@ -47,10 +47,12 @@ from ..storage.retention import list_committed
 from .save_records import StorageRecord
 
 __all__ = ["PROCESS_WRITER", "writer_of", "DeltaBase", "resolve_base", "split_reused", "digest_file_name",
-           "remember_commit", "DeltaSave", "digest_record"]
+           "remember_commit", "DeltaSave", "digest_record", "writer_environment"]
 
-# group-less saves of this process: "previous" is what this process committed
-PROCESS_WRITER = f"process-{uuid.uuid4().hex}"
+# group-less saves of this process: "previous" is what this process committed (its helper
+# processes, which persist its asynchronous saves, get its name in their environment)
+_WRITER_ENV = "RAYDCP_DELTA_WRITER"
+PROCESS_WRITER = os.environ.get(_WRITER_ENV) or f"process-{uuid.uuid4().hex}"
 _MAGIC = b"RAYDCPX\n"
 _PREFIX = struct.Struct("<8sIQ")  # magic, CRC32C of the body, body length
 _LAST: dict[tuple[str, str], str] = {}
@@ -62,6 +64,11 @@ def writer_of(transport: Any) -> str:
     group = getattr(transport, "group", None)
     name = getattr(group, "name", None)
     return f"group-{name}" if isinstance(name, str) and name else PROCESS_WRITER
+
+
+def writer_environment() -> dict[str, str]:
+    """The environment a helper process persisting this process's saves gets: its writer's name."""
+    return {_WRITER_ENV: PROCESS_WRITER}
 
 
 def digest_file_name(first_file: str) -> str:

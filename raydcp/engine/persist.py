@@ -41,6 +41,7 @@ from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..options import PERSIST_NICE_ENV, AsyncOptions, SaveOptions
 from . import procmem
 from .background import wait_for_last_save
+from .delta import writer_environment
 from .save import StagedState
 from .staging import StagingArena, staging_mode
 
@@ -72,6 +73,9 @@ def add_helper_environment(provider: Callable[[], dict[str, str]]) -> None:
     """Register ``provider``: the variables it returns are set in each helper process started later."""
     if provider not in _HELPER_ENV:
         _HELPER_ENV.append(provider)
+
+
+add_helper_environment(writer_environment)  # a helper's delta saves are this process's (base="previous")
 
 
 class HelperProcess:

@@ -124,6 +124,9 @@ def write_round(transport: Transport, state: dict, checkpoint_id: str, save_id: 
     try:
         if failure is not None:
             raise failure
+        if options.base is not None:
+            raise CheckpointError("write_round: a save in rounds writes every piece; SaveOptions(base=...) "
+                                  "(a delta save) is for raydcp.save, async_save and ShardGroup.save")
         staged = local_save_plan(rank, flatten_state(state), compare_replicas=False)
         if staged.plan.values:
             raise CheckpointError(f"write_round: plain values {sorted(staged.plan.values)[:5]} belong in "

@@ -29,7 +29,8 @@ from ..storage import CheckpointStorage
 from ..transport import Transport
 from .protocol import commit_round, name_storage_error, plan_round
 from .save_records import SaveHeader, StorageRecord
-from .save import StagedState, discard_after_failure, plan_options, write_rank_files
+from .delta import DeltaSave, remember_commit
+from .save import StagedState, delta_save, discard_after_failure, plan_options, write_rank_files
 
 __all__ = ["PersistSession", "batches"]
 
@@ -69,11 +70,17 @@ class PersistSession:
         self.records: list[StorageRecord] = []
         self.failure: RankFailure | None = None   # this rank failed writing: sent at the commit
         self.plan_error: BaseException | None = None  # the plan step failed (on every rank)
+        self.delta: DeltaSave | None = None  # a save with a base (SaveOptions.base)
 
     def begin(self) -> list[list[int]]:
         """Step 1: the plan round; returns the plan items of each batch (in staging order)."""
+        local: Any = self.local_plan
         try:
-            self.plan, self.header = plan_round(self.transport, self.local_plan,
+            self.delta = delta_save(self.transport, self.checkpoint_id, self.storage_options, self.options)
+        except Exception as exc:  # a bad base: every rank fails at the plan step
+            local = RankFailure.from_exception(self.transport.rank, exc)
+        try:
+            self.plan, self.header = plan_round(self.transport, local,
                                                 plan_options(self.options, cap=self.cap),
                                                 checkpoint_id=self.checkpoint_id,
                                                 storage_options=self.storage_options)
@@ -94,7 +101,7 @@ class PersistSession:
                 part = RankWritePlan(self.plan.rank, self.plan.save_id, tuple(self.batches[index]))
                 storage = CheckpointStorage(self.checkpoint_id, self.storage_options)
                 self.records.append(write_rank_files(storage, part, staged, read, io=self.options.io,
-                                                     compression=self.options.compression))
+                                                     compression=self.options.compression, delta=self.delta))
             except Exception as exc:
                 self.failure = RankFailure.from_exception(
                     self.transport.rank, name_storage_error(exc, self.checkpoint_id))
@@ -113,7 +120,10 @@ class PersistSession:
             raise self.plan_error
         value: Any = self.failure if self.failure is not None else (StorageRecord.concat(self.records), self.header)
         try:
-            return commit_round(self.transport, value, self.checkpoint_id, self.storage_options)
+            md = commit_round(self.transport, value, self.checkpoint_id, self.storage_options)
         except CheckpointError as exc:
             discard_after_failure(CheckpointStorage(self.checkpoint_id, self.storage_options), [self.plan], exc)
             raise
+        if self.delta is not None:
+            remember_commit(CheckpointStorage(self.checkpoint_id, self.storage_options), self.delta.writer)
+        return md

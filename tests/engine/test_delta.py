@@ -195,3 +195,19 @@ def test_a_damaged_digest_file_makes_the_pieces_written(tmp_path, caplog):
     out = blank()
     raydcp.load(out, tmp_path / "b")
     assert torch.equal(out["frozen"], s["frozen"])
+
+
+def test_async_saves_are_deltas_of_this_processes_previous(tmp_path):
+    s = state()
+    raydcp.save(s, tmp_path / "step-1", options=DELTA)
+    s["adapter"] += 1
+    raydcp.async_save(s, tmp_path / "step-2", options=DELTA).result()
+    own, refs = own_and_refs(tmp_path / "step-2")
+    assert sum(own.values()) == s["adapter"].nbytes and all(f.startswith("../step-1/") for f in refs)
+    s["adapter"] += 1
+    raydcp.async_save(s, tmp_path / "step-3", options=DELTA).result()
+    own, refs = own_and_refs(tmp_path / "step-3")
+    assert sum(own.values()) == s["adapter"].nbytes
+    out = blank()
+    raydcp.load(out, tmp_path / "step-3")
+    assert torch.equal(out["adapter"], s["adapter"]) and torch.equal(out["frozen"], s["frozen"])
