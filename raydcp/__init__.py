@@ -27,7 +27,7 @@ _LAZY = {"save": ".api", "async_save": ".api", "load": ".api", "read_metadata": 
          "Metadata": ".metadata", "Shard": ".state", "ShardGroup": ".runtime.shard_group",
          "SaveOptions": ".options", "LoadOptions": ".options", "IOOptions": ".options"}
 
-_SUBMODULES = frozenset({"api", "options", "train", "engine", "storage", "planner", "codec", "metadata", "metadata_format", "runtime",
+_SUBMODULES = frozenset({"api", "options", "train", "data", "engine", "storage", "planner", "codec", "metadata", "metadata_format", "runtime",
                          "transport", "state", "verify", "pipeline", "convert", "reshard", "cli", "lazy", "memory"})
 
 # raymem:// (checkpoints in the Ray cluster's memory) and raynode:// (node-local disk tiers): fsspec
