@@ -98,14 +98,15 @@ def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources,
     With ``read`` the pieces' bytes are not in this process (``sources`` is not used):
     ``read(item, start, nbytes, address)`` copies bytes ``[start, start + nbytes)`` of
     piece ``item`` to ``address``. Every piece is then packed or copied ``io.write_bytes`` at a
-    time into one buffer of this file's that is reused for the next chunk once written (the
-    storage writes each buffer before it asks for the next, see ``write_file``).
+    time into two buffers of this file's in turn: the storage reads one buffer ahead
+    (``write_file``'s ``read_ahead``), so a buffer is reused only once the one after it is asked for.
     """
     crc = crc32c.crc32c
     memmove = ctypes.memmove
     pack_max, pack_bytes, write_bytes = io.pack_max, io.pack_bytes, io.write_bytes
     pos, i, n = 0, 0, len(ids)
-    chunk: np.ndarray | None = None  # with ``read``: where large pieces are copied, a chunk at a time
+    chunks: list[np.ndarray] = []  # with ``read``: where large pieces are copied, a chunk at a time, in turn
+    turn = 0
     while i < n:
         item = ids[i]
         nbytes = sizes[item]
@@ -149,8 +150,9 @@ def _file_buffers(ids: list[int], offsets: list[int], sizes: list[int], sources,
             for s in range(0, nbytes, write_bytes):
                 e = min(s + write_bytes, nbytes)
                 if read is not None:
-                    if chunk is None:
-                        chunk = np.empty(write_bytes, dtype=np.uint8)
+                    if len(chunks) < 2:
+                        chunks.append(np.empty(write_bytes, dtype=np.uint8))
+                    chunk, turn = chunks[turn % len(chunks)], turn + 1
                     read(item, s, e - s, chunk.ctypes.data)
                     part = memoryview(chunk)[: e - s]
                 else:
@@ -219,7 +221,7 @@ def _write_layouts(storage: CheckpointStorage, layouts: list[tuple[str, list[int
     blocks: list[tuple[int, ...]] = [()] * len(items)
     storage.write_files({name: _file_buffers(ids, offs, sizes, sources, crcs, blocks,
                                              None if read is None else partial(read, name), io)
-                         for name, ids, offs in layouts}, max_workers=io.write_threads)
+                         for name, ids, offs in layouts}, max_workers=io.write_threads, read_ahead=True)
     return StorageRecord.written(staged.plan, layouts, crcs, blocks)  # columnar (no object per piece), in file order
 
 

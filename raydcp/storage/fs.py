@@ -7,7 +7,7 @@ import posixpath
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from . import _local, references
@@ -37,6 +37,32 @@ _FLAT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "a
 # put (If-None-Match: *), fsspec's memory filesystem checks and creates in one call of one process,
 # raydcp's memory and node-local tiers by a compare-and-set in each node's holder actor.
 _EXCLUSIVE_CREATE = frozenset({"s3", "s3a", "memory", "raymem", "raynode"})
+
+
+_END = object()
+
+
+def _ahead(buffers: Iterable[Any]) -> Iterator[Any]:
+    """``buffers``, each next one made in a helper thread while the caller uses the one before
+    (:meth:`CheckpointStorage.write_file`'s ``read_ahead``). The first is made at once, in the
+    caller's thread; the helper starts with the second (a file of one buffer starts none).
+    An error of the producer comes out where its buffer would have."""
+    it = iter(buffers)
+    first = next(it, _END)
+    if first is _END:
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="raydcp-write-ahead")
+    try:
+        pending = pool.submit(next, it, _END)
+        item = first
+        while True:
+            yield item
+            item = pending.result()
+            if item is _END:
+                return
+            pending = pool.submit(next, it, _END)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # the producer is idle before the caller goes on
 
 
 class CheckpointStorage:
@@ -110,7 +136,7 @@ class CheckpointStorage:
 
     # ----------------------------------------------------------------- writes
 
-    def write_file(self, name: str, buffers: Iterable[Any]) -> int:
+    def write_file(self, name: str, buffers: Iterable[Any], *, read_ahead: bool = False) -> int:
         """Write the concatenation of ``buffers`` to ``name``, durably; return the bytes written.
 
         Buffers are written one after another (never joined into one copy). ``buffers`` may be
@@ -118,11 +144,19 @@ class CheckpointStorage:
         buffer, so a producer can pack or checksum each buffer just before it is written (and
         overlap that work with the writes of other files). Local files are flushed and fsynced,
         so the data is durable before the metadata commits.
+
+        By default the next buffer is asked for only once the previous one is written (a
+        producer may reuse it). With ``read_ahead`` the next buffer is made (in a second thread)
+        while the previous one is written, so the producer's packing and checksumming overlap
+        this file's own writes: the producer must then keep each buffer as it is until the one
+        after the next is asked for (two buffers in turn, say).
         """
         path = self._full(name)
         with contextlib.suppress(TypeError):
             memoryview(buffers)  # a single buffer rather than a sequence of them
             buffers = [buffers]
+        if read_ahead:
+            buffers = _ahead(buffers)
         views = (byte_view(b) for b in buffers)
         with translating("write", self.file_url(name)):
             if self._local:
@@ -135,10 +169,12 @@ class CheckpointStorage:
                     written += view.nbytes
             return written
 
-    def write_files(self, files: Mapping[str, Iterable[Any]], max_workers: int = 8) -> dict[str, int]:
+    def write_files(self, files: Mapping[str, Iterable[Any]], max_workers: int = 8, *,
+                    read_ahead: bool = False) -> dict[str, int]:
         """Write several files in parallel (threads: file and network I/O release the GIL).
 
-        Each file's buffers are consumed in its writing thread, as in :meth:`write_file`.
+        Each file's buffers are consumed in its writing thread, as in :meth:`write_file` (and
+        ``read_ahead`` as there).
 
         Returns ``{name: bytes written}``. If any write fails, the others still finish and one
         CheckpointError lists every failed file.
@@ -151,7 +187,7 @@ class CheckpointStorage:
         if not items:
             return {}
         with ThreadPoolExecutor(min(max_workers, len(items)), thread_name_prefix="raydcp-write") as pool:
-            futures = [(name, pool.submit(self.write_file, name, bufs)) for name, bufs in items]
+            futures = [(name, pool.submit(self.write_file, name, bufs, read_ahead=read_ahead)) for name, bufs in items]
         written: dict[str, int] = {}
         errors: list[CheckpointError] = []
         for name, future in futures:

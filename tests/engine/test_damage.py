@@ -86,7 +86,7 @@ def test_overwrite_keeps_old_checkpoint_until_new_commit(saved, monkeypatch):
 def test_crash_while_writing_commits_nothing(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
 
-    def fail(self, files, max_workers=8):
+    def fail(self, files, max_workers=8, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(CheckpointStorage, "write_files", fail)

@@ -35,14 +35,14 @@ def writes(monkeypatch):
     seen: dict = {"workers": [], "buffers": {}}
     real = CheckpointStorage.write_files
 
-    def spy(self, files, max_workers=8):
+    def spy(self, files, max_workers=8, **kwargs):
         seen["workers"].append(max_workers)
 
         def sizes(name, bufs):
             for b in bufs:
                 seen["buffers"].setdefault(name, []).append(memoryview(b).nbytes)
                 yield b
-        return real(self, {name: sizes(name, bufs) for name, bufs in files.items()}, max_workers=max_workers)
+        return real(self, {name: sizes(name, bufs) for name, bufs in files.items()}, max_workers=max_workers, **kwargs)
 
     monkeypatch.setattr(CheckpointStorage, "write_files", spy)
     return seen

@@ -234,3 +234,35 @@ def test_read_into_many_fills_each_buffer(storage):
         storage.read_into_many(NAME, [(0, memoryview(bytearray(10))), (4995, memoryview(bytearray(10)))])
     with pytest.raises(CheckpointError, match="read-only"):
         storage.read_into_many(NAME, [(0, memoryview(b"xx"))])
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_write_file_read_ahead_makes_the_next_buffer_in_a_second_thread(storage, read_ahead):
+    import threading
+
+    caller = threading.get_ident()
+    made: list[tuple[int, bool]] = []  # (buffer, made in the caller's thread)
+
+    def gen():
+        for i in range(4):
+            made.append((i, threading.get_ident() == caller))
+            yield bytes([i]) * 1000
+
+    assert storage.write_file(NAME, gen(), read_ahead=read_ahead) == 4000
+    assert storage.read_file(NAME) == b"".join(bytes([i]) * 1000 for i in range(4))
+    assert [i for i, _ in made] == [0, 1, 2, 3]
+    # the first buffer is made at once by the caller; with read_ahead the others while it writes
+    assert [here for _, here in made] == [True, True, True, True] if not read_ahead else [True, False, False, False]
+
+
+def test_write_file_read_ahead_passes_the_producers_error_on(storage):
+    def gen():
+        yield b"x" * 10
+        raise ValueError("producer failed")
+
+    errors = []
+    for read_ahead in (False, True):
+        with pytest.raises(Exception, match="producer failed") as info:
+            storage.write_file(NAME, gen(), read_ahead=read_ahead)
+        errors.append(type(info.value))
+    assert errors[0] is errors[1]  # the same error as without read_ahead
