@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -32,6 +33,7 @@ from ..errors import CheckpointDamagedError, CheckpointError, StorageError
 from ..metadata import Metadata
 from ..metadata_format import decode_metadata
 from ..storage import METADATA_NAME, CheckpointStorage, fsync_dir, is_local, is_transient
+from ..storage import references
 from ..storage.commits import raydcp_data_file
 
 __all__ = ["Piece", "Segment", "CopyTask", "plan_segments", "file_pieces", "writer_kind",
@@ -220,9 +222,15 @@ def replicate_files(src: CheckpointStorage, dst: CheckpointStorage, meta_bytes: 
     ``run(tasks, on_result)`` executes :func:`copy_segment` on each task in parallel and returns
     the results in order, calling ``on_result`` as each finishes; ``on_bytes(done, total)``
     reports progress. Files already complete on the target are kept.
+
+    A delta checkpoint's references (``../step-1/data/...``) go to the same place beside the
+    target: a base replicated before is where they point, and its files already there are kept
+    (each referenced file is copied once). The target's bases are pinned for the copy first
+    (:mod:`raydcp.storage.references`), so a removal on the target keeps what it references.
     """
     md = decode_metadata(meta_bytes, src.file_url(METADATA_NAME))
     pieces = file_pieces(md)
+    where = _placements(src, dst, list(pieces), md.save_id)
     sizes = {}
     for name in pieces:
         size = src.file_size(name)
@@ -245,12 +253,17 @@ def replicate_files(src: CheckpointStorage, dst: CheckpointStorage, meta_bytes: 
         if on_bytes is not None:
             on_bytes(done, total)
 
-    # 1. files a previous attempt already put in place: check them where they are
-    present = {n for n in dst.list_files("data/") if n in sizes}
-    present = {n for n in present if dst.file_size(n) == sizes[n]}
-    checks = [CopyTask(src.url, src.storage_options, dst.url, dst.storage_options, seg, kind, check_only=True)
+    def task(n: str, seg: Segment, **kw) -> CopyTask:
+        s_st, d_st, local = where[n]
+        return CopyTask(s_st.url, s_st.storage_options, d_st.url, d_st.storage_options,
+                        Segment(local, seg.start, seg.end, seg.pieces, seg.part, seg.parts), kind, **kw)
+
+    # 1. files a previous attempt (or the replication of a base) already put in place: check them there
+    present = {n for n in sizes if where[n][1].file_size(where[n][2]) == sizes[n]}
+    checks = [task(n, seg, check_only=True)
               for n in sorted(present) for seg in plan_segments(n, sizes[n], pieces[n], max(sizes[n], 1))]
-    bad = {r["file"] for r in run(checks, progress) if not r["ok"]} if checks else set()
+    local_to_name = {where[n][2]: n for n in sizes}
+    bad = {local_to_name[r["file"]] for r in run(checks, progress) if not r["ok"]} if checks else set()
     kept = present - bad
     result.files_kept, result.bytes_kept = len(kept), sum(sizes[n] for n in kept)
 
@@ -262,28 +275,53 @@ def replicate_files(src: CheckpointStorage, dst: CheckpointStorage, meta_bytes: 
         if kind == "s3":
             for n, segs in plans.items():
                 if len(segs) > 1:
-                    bucket, key = _bucket_key(dst, n)
+                    bucket, key = _bucket_key(where[n][1], where[n][2])
                     uploads[n] = _s3(dst, "start an upload", "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-        tasks = [CopyTask(src.url, src.storage_options, dst.url, dst.storage_options, seg, kind, uploads.get(n))
-                 for n in todo for seg in plans[n]]
+        tasks = [task(n, seg, upload_id=uploads.get(n)) for n in todo for seg in plans[n]]
         results = run(tasks, progress) if tasks else []
         etags: dict[str, dict[int, str]] = {}
         for r in results:
-            etags.setdefault(r["file"], {})[r["part"]] = r.get("etag")
+            etags.setdefault(local_to_name[r["file"]], {})[r["part"]] = r.get("etag")
         for n in todo:
-            _finish_file(dst, kind, n, sizes[n], uploads.pop(n, None), etags.get(n, {}))
+            _finish_file(where[n][1], kind, where[n][2], sizes[n], uploads.pop(n, None), etags.get(n, {}))
     except BaseException:
         for n, upload_id in uploads.items():
-            bucket, key = _bucket_key(dst, n)
+            bucket, key = _bucket_key(where[n][1], where[n][2])
             with contextlib.suppress(Exception):
                 _s3(dst, "abort an upload", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         raise
     for n in todo:
-        got = dst.file_size(n)
+        got = where[n][1].file_size(where[n][2])
         if got != sizes[n]:
             raise CheckpointError(f"after copying, {dst.file_url(n)} holds {got} bytes instead of {sizes[n]}")
     result.files_copied, result.bytes_copied = len(todo), sum(sizes[n] for n in todo)
     return result
+
+
+def _placements(src: CheckpointStorage, dst: CheckpointStorage, names: list[str],
+                save_id: str) -> dict[str, tuple[CheckpointStorage, CheckpointStorage, str]]:
+    """Per data file: the checkpoint it is read from, the one it is written to, its name there.
+    A reference's owner beside the target is pinned for ``save_id`` (and must not be being removed)."""
+    out: dict[str, tuple[CheckpointStorage, CheckpointStorage, str]] = {}
+    owners: dict[str, tuple[CheckpointStorage, CheckpointStorage, list[str]]] = {}
+    for n in names:
+        if not references.is_reference(n):
+            out[n] = (src, dst, n)
+            continue
+        references.check_reference(n, src.url)
+        owner = references.owner_of(n)
+        if owner not in owners:
+            owners[owner] = (src.at(posixpath.normpath(f"{src.path}/{owner}")),
+                             dst.at(posixpath.normpath(f"{dst.path}/{owner}")), [])
+        s_st, d_st, files = owners[owner]
+        files.append(n[len(owner) + 1:])
+        out[n] = (s_st, d_st, n[len(owner) + 1:])
+    for owner, (_, d_st, files) in owners.items():
+        references.write_pin(d_st, posixpath.relpath(dst.path, d_st.path), save_id, 0, files)
+        if references.tombstoned(d_st):
+            raise StorageError(f"the base {d_st.url} of this delta checkpoint's copy is being removed on the "
+                               "target; the replication is retried", retriable=True, path=d_st.url)
+    return out
 
 
 def _finish_file(dst: CheckpointStorage, kind: str, name: str, size: int, upload_id: str | None,
