@@ -20,9 +20,11 @@ A failure on any rank before step 3 fails the save on every rank (raydcp saves
 are all-or-nothing) and nothing is reported, so Ray Train never registers a
 partial checkpoint.
 
-Restore: ``ray.train.get_checkpoint()`` (the run's latest registered checkpoint,
-also for a new trainer with the same ``RunConfig(name, storage_path)``) is loaded
-by every rank with ``raydcp.load``, resharded to the current world size.
+Restore: the run's newest committed checkpoint -- ``ray.train.get_checkpoint()`` (the
+run's latest registered one, also for a new trainer with the same ``RunConfig(name,
+storage_path)``), or a newer one raydcp committed that Ray Train never registered (an
+emergency save of survivors, :mod:`raydcp.train.latest`) -- is loaded by every rank with
+``raydcp.load``, resharded to the current world size.
 """
 from __future__ import annotations
 
@@ -242,18 +244,22 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
 
     checkpoint = ray.train.get_checkpoint()
     choice = None
-    if rank == 0:
-        choice = (proposed_group_name(ctx, timeout_s),
-                  _memory_source(ctx, checkpoint, memory_options) if memory else None)
-    group_name, in_memory = broadcast_from_rank_zero(choice)  # also waits for the cleanup
+    if rank == 0:  # the newest committed checkpoint, whether or not Ray Train registered it (train/latest.py)
+        from .latest import latest_committed
+
+        stored = latest_committed(storage, checkpoint, run_checkpoint_dirs(storage, storage_options), storage_options)
+        choice = (proposed_group_name(ctx, timeout_s), stored,
+                  _memory_source(ctx, None if stored is None else stored[0], memory_options) if memory else None)
+    group_name, stored, in_memory = broadcast_from_rank_zero(choice)  # also waits for the cleanup
     group = group_named(ctx, group_name, timeout_s)
     api.prepare_group(group, async_save=async_save)  # the first save (or this load) then finds them running
     if in_memory is not None:
         url, options = in_memory, memory_options
-    elif checkpoint is None:
+    elif stored is None:
         return False
     else:
-        url, options = fsspec_location(checkpoint.filesystem, checkpoint.path, storage_options)
+        url = stored[1]
+        _, options = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, storage_options)
     md = api.read_metadata(url, storage_options=options)
     for prefix, ts in _train_states(state):
         ts.prepare_restore(md, prefix)
@@ -261,18 +267,18 @@ def restore(state_dict: Any, *, strict: bool = True, storage_options: dict | Non
     return True
 
 
-def _memory_source(ctx, checkpoint, memory_options: dict | None) -> str | None:
-    """The URL of the run's newest memory checkpoint when it is at least as new as ``checkpoint``
-    (the latest in storage), else None."""
+def _memory_source(ctx, stored: str | None, memory_options: dict | None) -> str | None:
+    """The URL of the run's newest memory checkpoint when it is at least as new as the directory
+    ``stored`` (the run's newest committed checkpoint in storage), else None."""
     from .memory_saves import latest_in_memory, memory_root, step_of_dir
 
     found = latest_in_memory(memory_root(ctx), memory_options)
     if found is None:
         return None
     url, step = found
-    if checkpoint is not None:
-        stored = step_of_dir(str(checkpoint.path).rstrip("/").rsplit("/", 1)[-1])
-        if step is None or (stored is not None and stored > step):
+    if stored is not None:
+        stored_step = step_of_dir(stored)
+        if step is None or (stored_step is not None and stored_step > step):
             return None
     logger.info("raydcp: restoring from the cluster's memory: %s", url)
     return url
