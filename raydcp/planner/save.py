@@ -10,6 +10,7 @@ import numpy as np
 from ..errors import CheckpointError, StateMismatchError
 from .arrays import dim_range, rank_sums, sorted_runs, stack_items
 from .boxes import numel
+from .reuse import PlanCache, SaveReuse
 from .tiling import piece_problems
 from .types import FileSlot, FileTable, GlobalSavePlan, LocalSavePlan, RankWritePlan, TensorSpec
 
@@ -28,13 +29,18 @@ class SavePlanOptions:
             raise CheckpointError(f"max_file_bytes must be >= {ALIGN}, got {self.max_file_bytes}")
 
 
-def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = SavePlanOptions()) -> GlobalSavePlan:
-    """Build the global save plan from every rank's local plan (pure; raises CheckpointError).
+def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = SavePlanOptions(),
+              cache: PlanCache | None = None) -> GlobalSavePlan:
+    """Build the global save plan from every rank's local plan (raises CheckpointError).
 
     The common case runs on the plans' columns (:class:`ItemColumns`) with array operations:
     tensors split along one dimension (row or column blocks, whole replicas) are validated by a
     sort and a sweep. Tensors split otherwise (grids) are checked box by box, and any plan the
     array path finds wrong is planned again box by box, which names every problem.
+
+    ``cache``: a :class:`~raydcp.planner.PlanCache` the caller keeps between saves; where every
+    rank's layout is that of the plan it holds, that plan's layout decisions are reused and only
+    the checksums, the plain values and the file names are redone (the same plan results).
     """
     for i, lp in enumerate(local_plans):
         if lp.rank != i:
@@ -42,7 +48,7 @@ def plan_save(local_plans: Sequence[LocalSavePlan], options: SavePlanOptions = S
     tensors = _agree_fast(local_plans)
     values = agree_on_values(local_plans, tensors)
     save_id = options.save_id or uuid.uuid4().hex[:16]
-    planned = _plan_columns(local_plans, tensors, values, options, save_id)
+    planned = _plan_columns(local_plans, tensors, values, options, save_id, cache)
     if planned is not None:
         return planned
     return _plan_objects(local_plans, tensors, values, options, save_id)
@@ -111,12 +117,17 @@ def _plan_objects(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
 
 
 def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, TensorSpec], values: dict[str, Any],
-                  options: SavePlanOptions, save_id: str) -> GlobalSavePlan | None:
+                  options: SavePlanOptions, save_id: str, cache: PlanCache | None = None) -> GlobalSavePlan | None:
     """The array path of :func:`plan_save`; None where the general path must decide."""
     world = len(local_plans)
     cols = [getattr(lp, "columns", None) for lp in local_plans]
     if any(c is None or c.nbytes is None for c in cols):
         return None
+    layout = None if cache is None else PlanCache.save_key(cols, options.max_file_bytes)
+    if layout is not None:
+        kept = cache.saved(layout)
+        if kept is not None:
+            return _reuse(kept, cols, tensors, values, save_id)
     keys = list(tensors)
     k = len(keys)
     nds = np.array([len(tensors[key].shape) for key in keys], np.int64)
@@ -270,7 +281,43 @@ def _plan_columns(local_plans: Sequence[LocalSavePlan], tensors: dict[str, Tenso
         is_writer[w] = True
     files = _pack_ranks(save_id, np.flatnonzero(is_writer), starts, nbytes, world, options.max_file_bytes)
     ranks = tuple(RankWritePlan(r, save_id, files[r]) for r in range(world))
+    if layout is not None and not len(gen_keys):  # grids are checked box by box, checksums with them
+        empty = np.flatnonzero(~nonempty)  # whether a checksum comes with them is the next save's to say
+        boxes = [(t, tuple(o), tuple(z)) for t, o, z in zip(g[empty].tolist(), off[empty].tolist(),
+                                                             size[empty].tolist())]
+        cache.keep_save(layout, SaveReuse(tuple((f.items, f.byte_offsets, f.bounds) for f in files),
+                                          tuple(load.tolist()), None if unique else rows, None if unique else heads,
+                                          empty, boxes))
     return GlobalSavePlan(save_id, world, tensors, values, ranks, tuple(load.tolist()))
+
+
+def _reuse(kept: SaveReuse, cols: list, tensors: dict[str, TensorSpec], values: dict[str, Any],
+           save_id: str) -> GlobalSavePlan | None:
+    """The plan ``kept`` describes, for a save whose layouts are those it was made for: the
+    checksums compared again (replicas must agree; None, so the plan is made anew and names
+    what differs, where they do not) and the files named for ``save_id``."""
+    n = sum(len(c.key) for c in cols)
+    crc = np.concatenate([c.checksum for c in cols]) if n else np.zeros(0, np.int64)
+    if len(kept.empty):  # replicas of an empty piece must agree too
+        seen: dict[tuple, int] = {}
+        for box, c in zip(kept.empty_boxes, crc[kept.empty].tolist()):
+            if c >= 0 and seen.setdefault(box, c) != c:
+                return None
+    if kept.replica_rows is not None:
+        c = crc[kept.replica_rows]
+        if (c >= 0).any():
+            lo = np.minimum.reduceat(np.where(c >= 0, c, 1 << 40), kept.replica_heads)
+            hi = np.maximum.reduceat(c, kept.replica_heads)
+            if ((hi >= 0) & (lo != hi)).any():
+                return None  # diverged replicas
+    ranks = tuple(RankWritePlan(r, save_id, FileTable([_file_name(save_id, r, f) for f in range(len(bounds) - 1)],
+                                                      items, offsets, bounds))
+                  for r, (items, offsets, bounds) in enumerate(kept.files))
+    return GlobalSavePlan(save_id, len(cols), tensors, values, ranks, kept.load)
+
+
+def _file_name(save_id: str, rank: int, f: int) -> str:
+    return f"data/{save_id}/r{rank:05d}-f{f:03d}.bin"
 
 
 def _pack_ranks(save_id: str, written: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, world: int,
@@ -304,7 +351,7 @@ def _pack_ranks(save_id: str, written: np.ndarray, starts: np.ndarray, nbytes: n
         elif a == b:
             out.append(FileTable([], items[a:b], before[a:b], [0]))
         else:
-            out.append(FileTable([f"data/{save_id}/r{r:05d}-f000.bin"], items[a:b], before[a:b], [0, b - a]))
+            out.append(FileTable([_file_name(save_id, r, 0)], items[a:b], before[a:b], [0, b - a]))
     return out
 
 
@@ -344,7 +391,7 @@ def _pack_columns(save_id: str, rank: int, items: np.ndarray, nbytes: np.ndarray
     bounds = heads + [n]
     file_of = np.repeat(np.arange(len(heads)), np.diff(bounds)) if n else np.zeros(0, np.int64)
     offsets = before - before[np.array(heads, np.int64)][file_of] if n else before
-    names = [f"data/{save_id}/r{rank:05d}-f{f:03d}.bin" for f in range(len(heads))]
+    names = [_file_name(save_id, rank, f) for f in range(len(heads))]
     return FileTable(names, items, offsets, bounds)
 
 
@@ -412,7 +459,7 @@ def _pack_files(save_id: str, rank: int, lp: LocalSavePlan, items: list[int], ma
         nbytes = lp.items[idx].nbytes
         if slots and pos + nbytes > max_bytes:
             flush()
-        name = f"data/{save_id}/r{rank:05d}-f{len(files):03d}.bin"
+        name = _file_name(save_id, rank, len(files))
         slots.append(FileSlot(idx, name, pos))
         pos += -(-nbytes // ALIGN) * ALIGN
     flush()

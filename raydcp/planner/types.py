@@ -34,7 +34,7 @@ from ..lazy import LazySequence as _Lazy
 __all__ = ["digest", 
     "TensorSpec", "WriteItem", "LocalSavePlan", "FileSlot", "RankWritePlan", "GlobalSavePlan",
     "ReadItem", "LocalLoadPlan", "SourceChunk", "Delivery", "ChunkRead", "RankLoadPlan",
-    "ItemColumns", "FileTable", "ReadTable", "StoredChunks", "PackedNames", "packed_rows",
+    "ItemColumns", "FileTable", "ReadTable", "StoredChunks", "PackedNames", "packed_rows", "layout_digest",
 ]
 
 
@@ -169,9 +169,13 @@ class ItemColumns:
     with offset 0 and size 1. ``nbytes`` and ``checksum`` (-1: none) for save plans.
     ``signature`` is a BLAKE2b digest of the sorted (key, dtype, shape) of the plan's tensors and
     ``keys_digest`` one of ``keys``: ranks that agree on every tensor have equal signatures, so the
-    coordinator compares 16 bytes per rank instead of every tensor of every rank."""
+    coordinator compares 16 bytes per rank instead of every tensor of every rank. ``layout`` is
+    one of everything but the checksums (the signature, the keys and every box and byte count):
+    ranks whose plans have the layouts of an earlier save have that save's global plan but for
+    what the checksums and plain values decide (:class:`~raydcp.planner.PlanCache`)."""
 
-    __slots__ = ("keys", "keys_digest", "key", "ndim", "offsets", "sizes", "nbytes", "checksum", "signature")
+    __slots__ = ("keys", "keys_digest", "key", "ndim", "offsets", "sizes", "nbytes", "checksum", "signature",
+                 "layout")
 
     @classmethod
     def of(cls, tensors: Mapping[str, TensorSpec], items: Sequence, *, with_bytes: bool) -> "ItemColumns":
@@ -214,7 +218,24 @@ class ItemColumns:
         specs = list(map(tensors.__getitem__, names))
         c.signature = digest((list(map(str, names)), [str(s.dtype) for s in specs],
                                [tuple(map(int, s.shape)) for s in specs]))
+        c.layout = layout_digest(c)
         return c
+
+
+def layout_digest(c: "ItemColumns") -> bytes:
+    """The digest of an ItemColumns' layout (its ``layout``, see there): BLAKE2b of the
+    signature, the keys' digest and the columns' bytes, each column's length and shape in it."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(c.signature)
+    h.update(c.keys_digest)
+    for a in (c.key, c.ndim, c.offsets, c.sizes, c.nbytes):
+        if a is None:
+            h.update(b"-")
+            continue
+        a = np.ascontiguousarray(a, np.int64)
+        h.update(repr(a.shape).encode())
+        h.update(a.data)
+    return h.digest()
 
 
 _KEY, _OFFSETS, _SIZES = attrgetter("key"), attrgetter("offsets"), attrgetter("sizes")

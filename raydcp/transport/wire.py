@@ -124,13 +124,14 @@ def _packed_columns(cols, save: bool) -> tuple:
     n, width = cols.offsets.shape
     parts = [cols.key, cols.ndim, *((cols.nbytes, cols.checksum) if save else ()), cols.offsets.reshape(-1),
              cols.sizes.reshape(-1)]
-    return (PackedNames.of(cols.keys), cols.keys_digest, cols.signature, n, width,
+    return (PackedNames.of(cols.keys), cols.keys_digest, cols.signature, getattr(cols, "layout", None), n, width,
             np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in parts]))
 
 
-def _unpacked_columns(keys, keys_digest, signature, n: int, width: int, buf: np.ndarray, save: bool) -> ItemColumns:
+def _unpacked_columns(keys, keys_digest, signature, layout, n: int, width: int, buf: np.ndarray,
+                      save: bool) -> ItemColumns:
     c = object.__new__(ItemColumns)
-    c.keys, c.keys_digest, c.signature = keys, keys_digest, signature
+    c.keys, c.keys_digest, c.signature, c.layout = keys, keys_digest, signature, layout
     c.key, c.ndim = buf[:n], buf[n:2 * n]
     at = 2 * n
     if save:
