@@ -173,6 +173,8 @@ def list_checkpoints(root: str, opts: dict | None, depth: int | None = None) -> 
         row["owned_bytes"] = md.owned_bytes if md is not None else None
         row["references"] = md.references if md is not None else None
         row["world_size"] = md.world_size if md is not None else None
+        # committed by the survivors of a save without these ranks (raydcp.engine.survivors.LOST_RANKS_KEY)
+        row["lost_ranks"] = list((md.extra or {}).get("lost_ranks") or []) if md is not None else None
         row["pipeline_state"] = record.state if record is not None else None
         rows.append(row)
     return {"root": search.root, "depth": depth, "checkpoints": rows,
@@ -189,6 +191,16 @@ def _owns(row: dict) -> str:
     names = sorted(refs)
     shown = names[0] if len(names) == 1 else f"{names[0]} +{len(names) - 1}"
     return f"{human_bytes(row['owned_bytes'])} (delta of {shown})"
+
+
+def _ranks(row: dict) -> str:
+    """The saving world size; a survivors' commit says which ranks it was committed without."""
+    if row.get("world_size") is None:
+        return "-"
+    lost = row.get("lost_ranks")
+    if not lost:
+        return str(row["world_size"])
+    return f"{row['world_size']} (survivors; lost {', '.join(map(str, lost))})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                           "-" if r["tensors"] is None else str(r["tensors"]),
                           "-" if r["bytes"] is None else human_bytes(r["bytes"]),
                           _owns(r),
-                          "-" if r["world_size"] is None else str(r["world_size"]), when,
+                          _ranks(r), when,
                           safe(r["pipeline_state"] or "-"))
         out.print(table)
     pending = found["uncommitted"]
