@@ -16,13 +16,15 @@ tier's holder indexes every file of its disk directory, a user's too; retention 
 """
 from __future__ import annotations
 
+import json
+import posixpath
 import time
 
 import numpy as np
 
 from ...errors import CheckpointError
 from ...metadata_format import decode_metadata  # raydcp's own codec, no pickle
-from ...storage import METADATA_NAME
+from ...storage import METADATA_NAME, references
 from ...storage.commits import RETENTION_RECORD, raydcp_file
 from . import placement
 from .capacity import release_after_commit
@@ -39,9 +41,11 @@ def publish(fs, path: str, data: bytes) -> None:
     md = decode_metadata(data, url)
     names = list(md.files)
     entries = fs.entries(f"{directory}/" if directory else "")
+    for owner in {_full(directory, references.owner_of(n)) for n in names if references.is_reference(n)}:
+        entries.update(fs.entries(f"{owner}/"))  # a delta's bases: where its references lie
     problems, started = [], None
     for name in names:
-        full = f"{directory}/{name}" if directory else name
+        full = _full(directory, name)
         got = entries.get(full)
         if got is None:
             problems.append(f"{fs.url(full)} is held on no alive node")
@@ -53,8 +57,7 @@ def publish(fs, path: str, data: bytes) -> None:
     if problems:
         raise CheckpointError(f"{url}: not committed, the previous checkpoint (if any) is unchanged: "
                               + "; ".join(problems[:10]) + "; save again")
-    where = {f"{directory}/{n}" if directory else n: entries[f"{directory}/{n}" if directory else n][2]
-             for n in names}
+    where = {_full(directory, n): entries[_full(directory, n)][2] for n in names}
     created = time.time_ns()
     fs.publish_copies(placement.alive_nodes(), path, data, created, where)
     started = started if started is not None else created
@@ -66,6 +69,39 @@ def publish(fs, path: str, data: bytes) -> None:
     else:  # saved without keep_last: out of every later save's retention, whatever an earlier save said
         fs.ask_all("remove", [record])
     release_after_commit(fs, path, md.save_id, started)
+
+
+def _full(directory: str, name: str) -> str:
+    """The path of file ``name`` of the checkpoint at ``directory`` (a delta's references resolved)."""
+    return references.resolve(directory, name) if directory else name
+
+
+def _referenced(fs, entries: dict, staying: list[str], committed: set[str]) -> set[str]:
+    """The files that must stay in a release: those the ``staying`` committed checkpoints name
+    (a delta's references into released ones), and those pinned by a delta save in flight
+    (:mod:`raydcp.storage.references`: no metadata yet, its ``begun`` record held, the pin younger
+    than a day)."""
+    keep: set[str] = set()
+    for d in staying:
+        try:
+            md = decode_metadata(fs.cat_file(f"{d}/{METADATA_NAME}"), fs.url(f"{d}/{METADATA_NAME}"))
+        except Exception:
+            continue  # unreadable now: its own files are not released here (it stays)
+        keep.update(_full(d, n) for n in md.files if references.is_reference(n))
+    now = time.time()
+    for path in entries:
+        head, sep, rest = path.partition(f"/{references.PIN_DIR}/")
+        if not sep:
+            continue
+        try:
+            pin = json.loads(bytes(fs.cat_file(path)))
+            referrer = posixpath.normpath(f"{head}/{pin['referrer']}")
+            if (referrer not in committed and f"{referrer}/_raydcp/begun-{pin['save_id']}" in entries
+                    and now - float(pin.get("created_at", 0)) < references.PIN_GRACE_S):
+                keep.update(f"{head}/{f}" for f in pin["files"])
+        except Exception:
+            continue
+    return keep
 
 
 def retention_scope(meta_path: str) -> str | None:
@@ -100,11 +136,18 @@ def retain(fs, meta_path: str, started_ns: int) -> None:
     retained = [d for d in committed if any(n == RETENTION_RECORD for _, n, _ in dirs[d])]
     newest = sorted(retained, key=lambda d: (committed[d], d), reverse=True)
     kept = set(newest[:fs.keep_last]) | {meta_path.rsplit("/", 1)[0]}
+    released = {d for d in committed if d in retained and d not in kept}
+    # what a staying delta checkpoint (or a delta save in flight) references stays, with the digest
+    # files of its save and the pins that keep it, until nothing references it
+    needed = _referenced(fs, entries, [d for d in committed if d not in released], set(committed))
+    needed_dirs = {p.rsplit("/", 1)[0] for p in needed}
     metas, rest, leftovers = [], [], []
     for d, files in dirs.items():
-        own = [(p, n, c) for p, n, c in files if raydcp_file(n)]
+        own = [(p, n, c) for p, n, c in files if raydcp_file(n) and p not in needed
+               and not (n.endswith(".xxh3") and p.rsplit("/", 1)[0] in needed_dirs)
+               and not (needed and n.startswith(f"{references.PIN_DIR}/"))]
         if d in committed:
-            if d in retained and d not in kept:
+            if d in released:
                 metas += [p for p, n, _ in own if n == METADATA_NAME]
                 rest += [p for p, n, _ in own if n != METADATA_NAME]
         elif own and max(c for _, _, c in own) < started_ns:
