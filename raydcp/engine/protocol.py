@@ -38,13 +38,13 @@ import numpy as np
 from ..errors import CheckpointError, RankFailure, StorageError
 from ..metadata import ChunkColumns, Metadata, TensorMetas
 from ..metadata_format import decode_metadata, encode_metadata
-from ..planner import LocalSavePlan, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
+from ..planner import LocalSavePlan, PlanCache, RankWritePlan, SavePlanOptions, TensorSpec, plan_save
 from ..planner.arrays import sorted_runs
 from ..storage import CheckpointStorage
 from ..storage import capacity
 from ..storage import is_transient
 from ..storage.commits import LOG_DIR, begin_save, commit_generation, current_generation, prune, remove_save_files
-from ..transport import Transport
+from ..transport import Reusing, Transport
 from .save_records import SaveHeader, StorageRecord
 
 __all__ = ["reduce_plan", "reduce_commit", "commit_metadata", "tensor_metas", "plan_round", "commit_round",
@@ -56,14 +56,16 @@ COMMIT_STEP = "save: commit"
 
 # -- step 1: plan ------------------------------------------------------------------------------
 def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan],
-                destination: tuple[str, dict | None] | None = None) -> list:
+                destination: tuple[str, dict | None] | None = None, cache: PlanCache | None = None) -> list:
     """On the coordinator: the global plan; per rank ``(RankWritePlan, SaveHeader on rank 0 else None)``.
 
     ``destination`` ``(checkpoint_id, storage_options)``: the save begins there (its id is taken
     on the path's current commit and recorded, :func:`~raydcp.storage.commits.begin_save`) unless
     ``options`` fix the save id; where the backend reserves room per place
     (:mod:`raydcp.storage.capacity`), the room for every rank's files is reserved last, so a save
-    that does not fit fails every rank here, before any byte is staged or written.
+    that does not fit fails every rank here, before any byte is staged or written. ``cache``: what
+    the coordinator keeps of the group's last plan (:class:`~raydcp.planner.PlanCache`), reused
+    where every rank's layout is the same (each step of a training run).
     """
     storage = sites = None
     began = False
@@ -72,7 +74,7 @@ def reduce_plan(options: SavePlanOptions, local_plans: Sequence[LocalSavePlan],
         storage = CheckpointStorage(*destination)
         if options.save_id is None:
             options, began = replace(options, save_id=begin_save(storage)), True
-    gp = plan_save(local_plans, options)
+    gp = plan_save(local_plans, options, cache)
     if storage is not None and capacity.reserves_capacity(storage):
         _reserve(storage, gp.save_id, gp.ranks, local_plans, sites, began)
     header = SaveHeader(gp.save_id, gp.world_size, dict(gp.tensors), dict(gp.values))
@@ -116,7 +118,7 @@ def plan_round(transport: Transport, local: Any, options: SavePlanOptions = Save
     With ``checkpoint_id`` the save begins at that path (see :func:`reduce_plan`); every rank says
     where it saves and where its writes land (:func:`raydcp.storage.capacity.writer_site`)."""
     if checkpoint_id is None:
-        return transport.reduce_scatter(step, local, partial(reduce_plan, options))
+        return transport.reduce_scatter(step, local, Reusing(reduce_plan, options))
     destination = (str(checkpoint_id), storage_options)
     if not isinstance(local, RankFailure):  # every rank says where it saves: unrelated saves never mix
         try:
@@ -124,7 +126,7 @@ def plan_round(transport: Transport, local: Any, options: SavePlanOptions = Save
             local = (storage.url, local, capacity.writer_site(storage))
         except Exception as exc:  # fails every rank at the plan step, naming this one
             local = RankFailure.from_exception(transport.rank, exc)
-    return transport.reduce_scatter(step, local, partial(reduce_plan, options, destination=destination))
+    return transport.reduce_scatter(step, local, Reusing(reduce_plan, options, destination=destination))
 
 
 def _same_destination(checkpoint_id: str, values: Sequence[tuple]) -> tuple[list, list]:

@@ -38,11 +38,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import sys
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure, RanksTimedOutError, raise_failures
+from ..planner import PlanCache
 from ..transport import run_reduce
 
 __all__ = ["Coordinator", "keep_planning_memory", "planning_pages"]
@@ -132,9 +135,16 @@ class _Round:
 
 
 class Coordinator:
-    """Rendezvous point of the ranks of one operation of one group (see module doc)."""
+    """Rendezvous point of the ranks of one operation of one group (see module doc).
+
+    Reductions get the :class:`~raydcp.planner.PlanCache` of their group (kept in the process,
+    from one operation to the next, for the ``max_cached_groups`` groups that planned last): a
+    training run's saves of one layout reuse the previous plan's layout decisions."""
 
     _executor = None  # where reductions run: the loop's default executor, or the host's own
+    max_cached_groups = 8
+    _plan_caches: "OrderedDict[str, PlanCache]" = OrderedDict()
+    _caches_lock = threading.Lock()
 
     def __init__(self, group_name: str, op: int, world_size: int, timeout_s: float, creator_rank: int | None = None):
         self.group_name = group_name
@@ -279,8 +289,19 @@ class Coordinator:
         if rnd.kind == _REDUCE:
             # in a worker thread: the host's event loop goes on serving the other operations
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, run_reduce, rnd.step, values, rnd.reduce_fn)
+            return await loop.run_in_executor(self._executor, run_reduce, rnd.step, values, rnd.reduce_fn,
+                                              self._plan_cache())
         return self._route(rnd.step, values)
+
+    def _plan_cache(self) -> PlanCache:
+        """The group's PlanCache (a new one for a group not among the last ``max_cached_groups``)."""
+        caches = Coordinator._plan_caches
+        with Coordinator._caches_lock:
+            cache = caches.pop(self.group_name, None) or PlanCache()
+            caches[self.group_name] = cache
+            while len(caches) > self.max_cached_groups:
+                caches.popitem(last=False)
+        return cache
 
     def _route(self, step: str, outgoing_by_rank: list[Any]) -> list[Any]:
         n = self.world_size

@@ -8,8 +8,8 @@
 - :mod:`~raydcp.transport.wire`: :func:`encode` / :func:`decode`, control-plane values
   as a :class:`Wire` where they cross processes.
 """
-from .interface import Transport, run_reduce, unwrap
+from .interface import Reusing, Transport, run_reduce, unwrap
 from .local import LocalTransport, ThreadTransport
 from .wire import Wire, decode, encode
 
-__all__ = ["Transport", "LocalTransport", "ThreadTransport", "run_reduce", "unwrap", "Wire", "encode", "decode"]
+__all__ = ["Transport", "LocalTransport", "ThreadTransport", "Reusing", "run_reduce", "unwrap", "Wire", "encode", "decode"]

@@ -22,7 +22,10 @@ The engine (``raydcp.engine``) never imports Ray. It is handed a
 
 Every rank makes the same calls in the same order. Every implementation reduces
 with :func:`run_reduce` (failures first, then one value per rank) and hands each
-rank its value through :func:`unwrap` (an error raises on every rank).
+rank its value through :func:`unwrap` (an error raises on every rank). A
+transport that keeps something for a group between its operations (the Ray
+coordinator keeps a :class:`~raydcp.planner.PlanCache` per group) passes it to
+:func:`run_reduce`; a reduce function made with :class:`Reusing` receives it.
 Implementations: :class:`~raydcp.transport.local.LocalTransport` (one participant,
 ``group=None``), :class:`~raydcp.transport.local.ThreadTransport` (N ranks as
 threads of one process, for tests and tools) and the Ray transport in
@@ -34,13 +37,14 @@ from __future__ import annotations
 
 import abc
 import gc
+from contextvars import ContextVar
 from typing import Any, Callable
 
 import torch
 
 from ..errors import CheckpointError, RankFailure, coordinator_error, raise_failures
 
-__all__ = ["Transport", "ReduceFn", "Outgoing", "run_reduce", "unwrap"]
+__all__ = ["Transport", "ReduceFn", "Outgoing", "Reusing", "run_reduce", "unwrap"]
 
 ReduceFn = Callable[[list[Any]], list[Any]]
 Outgoing = dict[int, list[tuple[Any, torch.Tensor]]]
@@ -62,15 +66,42 @@ class Transport(abc.ABC):
         """Release what the transport holds for this operation (called once, at the end)."""
 
 
-def run_reduce(step: str, values: list[Any], reduce_fn: ReduceFn) -> list[Any]:
+_CACHE: ContextVar[Any] = ContextVar("raydcp_reduce_cache", default=None)
+
+
+class Reusing:
+    """A reduce function that may reuse what the group's earlier reductions computed: called with
+    the rank values, it calls ``fn(*args, values, cache=cache, **kwargs)``, ``cache`` being what the
+    transport passed to :func:`run_reduce` for this reduction (None where it keeps nothing). It
+    reaches the function through whatever wraps it on the way (a host's decoding of the values)."""
+
+    __slots__ = ("fn", "args", "kwargs")
+
+    def __init__(self, fn: Callable, *args: Any, **kwargs: Any):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def __call__(self, values: list[Any]) -> list[Any]:
+        return self.fn(*self.args, values, cache=_CACHE.get(), **self.kwargs)
+
+    def __reduce__(self):
+        return (_reusing, (self.fn, self.args, self.kwargs))
+
+
+def _reusing(fn: Callable, args: tuple, kwargs: dict) -> Reusing:
+    return Reusing(fn, *args, **kwargs)
+
+
+def run_reduce(step: str, values: list[Any], reduce_fn: ReduceFn, cache: Any = None) -> list[Any]:
     """Apply ``reduce_fn`` the way every transport must: failures first, then one value per rank.
 
     Returns the per-rank results, or a list holding the same ``CheckpointError``
-    for every rank when a rank failed or the reduction raised.
+    for every rank when a rank failed or the reduction raised. ``cache``: what the transport
+    keeps for the group, handed to a :class:`Reusing` reduce function.
     """
     n = len(values)
     gc_was_on = gc.isenabled()
     gc.disable()  # planning builds many small acyclic objects: collections only cost time here
+    token = _CACHE.set(cache)
     try:
         raise_failures(step, [v for v in values if isinstance(v, RankFailure)])
         out = reduce_fn(values)
@@ -83,6 +114,7 @@ def run_reduce(step: str, values: list[Any], reduce_fn: ReduceFn) -> list[Any]:
         err = coordinator_error(step, exc)
         return [err] * n
     finally:
+        _CACHE.reset(token)
         if gc_was_on:
             gc.enable()
 

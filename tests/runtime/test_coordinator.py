@@ -248,3 +248,45 @@ def test_a_slow_reduction_runs_in_a_thread_and_no_waiting_rank_times_out_for_it(
         assert await both == [3, 3]
 
     run(main())
+
+
+def test_a_groups_repeated_saves_of_one_layout_reuse_the_plan_and_a_changed_layout_does_not():
+    import uuid
+
+    from raydcp.engine.protocol import reduce_plan
+    from raydcp.planner import LocalSavePlan, SavePlanOptions, TensorSpec, WriteItem
+    from raydcp.transport import Reusing, decode, encode
+
+    def plans(rows_of_rank3=2):
+        out = []
+        for r in range(4):
+            rows = rows_of_rank3 if r == 3 else 2
+            specs = {"w": TensorSpec("float32", (6 + rows_of_rank3, 3))}
+            out.append(decode(encode(LocalSavePlan(r, specs, (WriteItem("w", (2 * r, 0), (rows, 3), rows * 12, r),),
+                                                   {}))))
+        return out
+
+    group = f"train-{uuid.uuid4().hex[:8]}"
+
+    async def save(op, values):
+        c = Coordinator(group, op, 4, timeout_s=5)
+        out = await rs_all(c, 1, "save: plan", values, Reusing(reduce_plan, SavePlanOptions()))
+        assert not any(isinstance(v, BaseException) for v in out), out
+        return [rp for rp, _ in out], Coordinator._plan_caches[group]
+
+    async def main():
+        first, cache = await save(0, plans())
+        assert (cache.hits, cache.misses) == (0, 1)
+        again, cache = await save(1, plans())  # the next operation of the group: the plan reused
+        assert (cache.hits, cache.misses) == (1, 1)
+        assert [(tuple(f.items), tuple(f.byte_offsets)) for f in (rp.files for rp in again)] == \
+               [(tuple(f.items), tuple(f.byte_offsets)) for f in (rp.files for rp in first)]
+        assert first[0].save_id != again[0].save_id and all(n.startswith(f"data/{again[0].save_id}/")
+                                                            for rp in again for n in rp.files.names)
+        _, cache = await save(2, plans(rows_of_rank3=3))  # rank 3 holds another shape: planned anew
+        assert (cache.hits, cache.misses) == (1, 2)
+        other = Coordinator(f"other-{group}", 0, 4, timeout_s=5)
+        await rs_all(other, 1, "save: plan", plans(), Reusing(reduce_plan, SavePlanOptions()))
+        assert Coordinator._plan_caches[f"other-{group}"] is not cache  # each group its own
+
+    run(main())
