@@ -79,10 +79,14 @@ def _rank_files(file: np.ndarray, r_of: np.ndarray, rb: np.ndarray, files) -> tu
     a rank's plan names the files it reads, not every file of the checkpoint (which made every
     reply as long as the checkpoint has files: a cost in the square of the ranks)."""
     nfiles = max(len(files), 1)
-    pairs, local = np.unique(r_of * nfiles + file, return_inverse=True)
+    code = r_of * nfiles
+    code += file
+    pairs = np.sort(code)
+    pairs = pairs[np.r_[True, pairs[1:] != pairs[:-1]]] if len(pairs) else pairs  # each (rank, file) once
+    local = np.searchsorted(pairs, code)
     pair_rank = pairs // nfiles
     first = np.searchsorted(pair_rank, np.arange(len(rb)))  # each rank's first pair (and the end)
-    local = local.reshape(-1) - first[:-1][r_of]
+    local -= first[:-1][r_of]
     names = [files[f] for f in (pairs % nfiles).tolist()]
     bounds = first.tolist()
     return local, [PackedNames.of(names[bounds[r]:bounds[r + 1]]) for r in range(len(rb) - 1)]
