@@ -259,13 +259,15 @@ def save_with(
     storage_options: dict | None = None,
     options: SaveOptions | None = None,
     staged: StagedState | None = None,
+    writer: str | None = None,
 ) -> Metadata:
     """The synchronous save for one rank (every rank of ``transport`` calls it together).
 
     Flattens the state into a local plan, then runs the save protocol of
     :mod:`raydcp.engine.protocol`: plan (files of up to ``options.max_file_bytes``), write
     (all of this rank's files at once, with ``options.io``), commit. Any failure on any rank
-    fails every rank with one CheckpointError and commits nothing.
+    fails every rank with one CheckpointError and commits nothing. ``writer``: who saves, for a
+    delta save's ``base="previous"`` (default: the Group's name, else this process).
     """
     options = DEFAULT_SAVE if options is None else options
     rank = transport.rank
@@ -275,7 +277,7 @@ def save_with(
         if staged is None:
             staged = local_save_plan(rank, flatten_state(state_dict), compare_replicas=transport.world_size > 1)
         local = staged.plan
-        delta = delta_save(transport, checkpoint_id, storage_options, options)
+        delta = delta_save(transport, checkpoint_id, storage_options, options, writer)
     except Exception as exc:
         local = RankFailure.from_exception(rank, exc)
     plan, header = plan_round(transport, local, plan_options(options), checkpoint_id=checkpoint_id,
@@ -297,11 +299,12 @@ def save_with(
 
 
 def delta_save(transport: Transport, checkpoint_id: str, storage_options: dict | None,
-               options: SaveOptions) -> DeltaSave | None:
-    """The base of a save with ``options.base`` as this rank sees it (None: no base asked for)."""
+               options: SaveOptions, writer: str | None = None) -> DeltaSave | None:
+    """The base of a save with ``options.base`` as this rank sees it (None: no base asked for);
+    ``writer`` names who saves for ``base="previous"`` (default: the transport's Group, else this process)."""
     if options.base is None:
         return None
-    writer = writer_of(transport)
+    writer = writer or writer_of(transport)
     return DeltaSave(resolve_base(CheckpointStorage(checkpoint_id, storage_options), options.base, writer), writer)
 
 

@@ -70,7 +70,9 @@ class ShardActor:
         """Save group ``slot``'s state (with ``options``, a SaveOptions or None); rank 0 returns the
         Metadata (the others None, to ship it once)."""
         def run():
-            md = self._run(group, lambda t: save_with(t, self._state(slot), checkpoint_id, storage_options, options))
+            # the ShardGroup (not its operation's Group) is who saves, for a delta's base="previous"
+            md = self._run(group, lambda t: save_with(t, self._state(slot), checkpoint_id, storage_options, options,
+                                                      writer=f"shardgroup-{slot}"))
             return md if group[1] == 0 else None
 
         return self._outcome(run)
