@@ -120,9 +120,9 @@ def _pins(owner) -> list[dict]:
 def referenced_files(owner) -> tuple[set[str] | None, list[str]]:
     """What the live referrers of ``owner`` need of it: ``(names, stale pins)``.
 
-    A pin is live while its referrer is committed and holds the save's own ``data/<save_id>/``
-    (every rank of a delta save writes at least its digest file there), and, for a save in flight
-    (its ``begun`` record there, no metadata yet), for :data:`PIN_GRACE_S` after it was written.
+    A pin is live while its referrer's committed metadata is the pinning save's, and, for a save
+    in flight (no metadata there yet, its ``begun`` record there), for :data:`PIN_GRACE_S` after it
+    was written. A referrer whose metadata cannot be read is kept live (never guess towards deleting).
     ``names`` are file names relative to the owner. The other pins are returned as stale: their
     referrer was removed (retention removes its metadata and records), or never committed.
     """
@@ -132,8 +132,9 @@ def referenced_files(owner) -> tuple[set[str] | None, list[str]]:
     for pin in _pins(owner):
         referrer = owner.at(posixpath.normpath(f"{owner.path}/{pin['referrer']}"))
         try:
-            committed = referrer.exists(METADATA_NAME) and bool(referrer.list_files(f"data/{pin['save_id']}/"))
-            begun = referrer.exists(f"_raydcp/begun-{pin['save_id']}")
+            header = _header(referrer)
+            committed = header is not None and str(header.get("save_id", "")).split("/", 1)[0] == pin["save_id"]
+            begun = header is None and referrer.exists(f"_raydcp/begun-{pin['save_id']}")
         except CheckpointError:
             committed = begun = True  # cannot tell: keep (a removal never guesses towards deleting)
         young = now - float(pin.get("created_at", 0) or 0) < PIN_GRACE_S
@@ -144,19 +145,34 @@ def referenced_files(owner) -> tuple[set[str] | None, list[str]]:
     return keep, stale
 
 
+def _header(storage) -> dict | None:
+    """The JSON header of the committed metadata of ``storage`` (None: not committed). The
+    envelope of docs/FORMAT.md: magic, major, minor, length, CRC, then the Arrow stream whose
+    schema holds the header; a damaged one raises CheckpointError."""
+    if not storage.exists(METADATA_NAME):
+        return None
+    data = storage.read_file(METADATA_NAME)
+    try:
+        import pyarrow as pa
+
+        if len(data) < 28 or data[:8] != b"RAYDCPM\n":
+            raise ValueError("not raydcp metadata")
+        header = json.loads(pa.ipc.open_stream(pa.py_buffer(data[28:])).schema.metadata[b"raydcp"])
+        if not isinstance(header, dict):
+            raise ValueError("a header that is not an object")
+        return header
+    except Exception as exc:
+        raise CheckpointDamagedError(f"{storage.file_url(METADATA_NAME)}: unreadable header ({exc})",
+                                     file=storage.file_url(METADATA_NAME)) from None
+
+
 def referenced_owners(storage) -> list[str]:
     """The paths of the checkpoints whose files the committed checkpoint ``storage`` references
     (read from its metadata's header: the file list; [] where it has none or cannot be read)."""
     try:
-        data = storage.read_metadata_bytes()
-        import pyarrow as pa
-
-        # the envelope of docs/FORMAT.md: magic, major, minor, length, CRC, then the Arrow stream
-        if len(data) < 28 or data[:8] != b"RAYDCPM\n":
-            return []
-        header = json.loads(pa.ipc.open_stream(pa.py_buffer(data[28:])).schema.metadata[b"raydcp"])
-        files = [str(f) for f in header.get("files", [])]
-    except Exception:
+        header = _header(storage)
+        files = [str(f) for f in (header or {}).get("files", [])]
+    except CheckpointError:
         return []
     return sorted({posixpath.normpath(f"{storage.path}/{owner_of(n)}") for n in files if is_reference(n)})
 
