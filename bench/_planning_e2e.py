@@ -23,6 +23,12 @@ What the coordinator runs (``raydcp.runtime.actors.CoordinatorHost`` with the re
                   (``_reduce_load_plan`` is these two calls: read_metadata, then _plan_loads)
   reply loads     ``encode`` of each loading rank's plan                 (transport, outside the total)
 
+Beside them (outside the totals): "plan again", the plan step of a second save of the same layout
+through the ``raydcp.planner.PlanCache`` the first one filled (as the coordinator keeps one per
+group: every step of a training run); and, in one more pass with ``tracemalloc`` on (untimed),
+the coordinator's peak memory: the most its Python and numpy allocations held at once, beyond
+what the ranks' messages took before it started.
+
 The checkpoint is a directory under the system's temporary directory (removed afterwards): the
 metadata really is written, fsynced and read back.
 """
@@ -31,7 +37,7 @@ from __future__ import annotations
 import gc
 import shutil
 import tempfile
-from functools import partial
+import tracemalloc
 from typing import Callable
 
 import numpy as np
@@ -43,7 +49,7 @@ from raydcp.engine.save_records import StorageRecord
 from raydcp.engine.save import _file_layouts
 from raydcp.errors import CheckpointError
 from raydcp.storage import METADATA_NAME, CheckpointStorage
-from raydcp.transport import decode, encode, run_reduce
+from raydcp.transport import Reusing, decode, encode, run_reduce
 
 PHASES = ("plan", "commit", "md_write", "read", "load_plan")
 TRANSPORT = ("receive_plans", "reply_plans", "receive_records", "reply_commit", "receive_loads", "reply_loads")
@@ -64,16 +70,17 @@ def rank_record(plan: P.LocalSavePlan, files, rank: int) -> StorageRecord:
 
 
 def run_end_to_end(ranks: int, load_ranks: int, save_plans: Callable, load_plans: Callable, step: Callable,
-                   log: Callable) -> dict:
-    """One save and one load of ``ranks`` x tensors pieces through the coordinator's functions."""
+                   log: Callable, memory: bool = False) -> dict:
+    """One save and one load of ``ranks`` x tensors pieces through the coordinator's functions
+    (``memory``: the pass with tracemalloc on, whose result is the peak in ``peak_bytes``)."""
     path = tempfile.mkdtemp(prefix="raydcp-bench-planning-")
     try:
-        return _run(path, ranks, load_ranks, save_plans, load_plans, step, log)
+        return _run(path, ranks, load_ranks, save_plans, load_plans, step, log, memory)
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _run(path, ranks, load_ranks, save_plans, load_plans, step, log) -> dict:
+def _run(path, ranks, load_ranks, save_plans, load_plans, step, log, memory=False) -> dict:
     storage = CheckpointStorage(path)
     gc.disable()
     local = save_plans()  # the ranks' own plans (objects, with their columns), built on the ranks
@@ -82,25 +89,48 @@ def _run(path, ranks, load_ranks, save_plans, load_plans, step, log) -> dict:
     # the ranks' objects live in the ranks' processes, not the coordinator's: out of the collector's sight
     gc.freeze()
     gc.enable()
+    if memory:
+        tracemalloc.start()  # what the ranks built is not traced: only the coordinator's allocations
     try:
-        return _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, log)
+        res = _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, log, memory)
+        if memory:
+            res["peak_bytes"] = _PEAK[0]
+        return res
     finally:
         gc.unfreeze()
+        if memory:
+            tracemalloc.stop()
 
 
-def _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, log) -> dict:
+_PEAK = [0]
+
+
+def _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, log, memory=False) -> dict:
     res: dict = {}
+    _PEAK[0] = 0
 
     def timed(name: str, fn, note: str = ""):
+        if memory:
+            tracemalloc.reset_peak()
         s, g, out = step(fn)
+        if memory:
+            _PEAK[0] = max(_PEAK[0], tracemalloc.get_traced_memory()[1])
+            return out
         res[name], res[name + "_gc"] = s, g
         log(f"    {name:16s} {s:7.3f} s  (gc {g:.3f} s){note}")
         return out
 
     values = timed("receive_plans", lambda: [decode(w) for w in wires])
     del wires
-    reduce_fn = partial(reduce_plan, P.SavePlanOptions(), destination=(path, None))
-    replies = timed("plan", lambda: _checked(run_reduce(PLAN_STEP, values, reduce_fn)))
+    reduce_fn = Reusing(reduce_plan, P.SavePlanOptions(), destination=(path, None))
+    cache = P.PlanCache()  # the group's, as the coordinator keeps it
+    replies = timed("plan", lambda: _checked(run_reduce(PLAN_STEP, values, reduce_fn, cache)))
+    if not memory:  # the next save of the same layout (its begin record is written too)
+        again = timed("plan_again", lambda: _checked(run_reduce(PLAN_STEP, values, reduce_fn, cache)))
+        if cache.hits != 1 or [tuple(rp.files.items) for rp, _ in again[:3]] != \
+                [tuple(rp.files.items) for rp, _ in replies[:3]]:
+            raise CheckpointError("the second plan of one layout was not the cached one")
+        del again
     del values
     timed("reply_plans", lambda: [encode(r) for r in replies])
     gc.disable()  # the ranks' work: write (not timed), return the records
@@ -120,6 +150,8 @@ def _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, l
     del lwires
     plans = timed("load_plan", lambda: _without_gc(lambda: _plan_loads(md2, requests)))
     timed("reply_loads", lambda: [encode(p) for p in plans])
+    if memory:
+        return res
     chunks = len(md2.tensors.columns.nbytes)
     if chunks != ranks * len(md2.tensors):
         raise CheckpointError(f"the committed metadata holds {chunks} chunks, not {ranks * len(md2.tensors)}")
@@ -161,7 +193,9 @@ def report_e2e(points: list[dict], goal_fn: Callable, table_fn: Callable, target
              "load_plan": "load plan"}
     rows = [[f"{p['ranks']} x {p['pieces'] // p['ranks']}", p["pieces"], *(p[n] for n in PHASES), p["total"],
              p.get("first_total", p["total"]), 1e6 * p["total"] / p["pieces"], p["md_bytes"] / p["pieces"],
-             *(p[n] for n in TRANSPORT), p["total_with_transport"]] for p in points]
+             *(p[n] for n in TRANSPORT), p["total_with_transport"], 1e6 * p["total_with_transport"] / p["pieces"],
+             p["plan_again"], p["peak_bytes"] / (1 << 20) if "peak_bytes" in p else "-",
+             p["peak_bytes"] / p["pieces"] if "peak_bytes" in p else "-"] for p in points]
     repeats = points[-1].get("repeats", 1)
     out = ["### End to end through the coordinator's functions, one CPU (CPU seconds; load for half as many ranks)", "",
            f"Each phase: the median of {repeats} runs of the whole sequence at each scale, in one process (as the "
@@ -169,18 +203,28 @@ def report_e2e(points: list[dict], goal_fn: Callable, table_fn: Callable, target
            "whose arrays are all fresh memory.", "",
            table_fn(["ranks x tensors", "pieces", *(names[n] for n in PHASES), "total", "first run", "us/piece",
                      "md bytes/piece", "receive plans", "reply plans", "receive records", "reply commit",
-                     "receive loads", "reply loads", "total with the transport"], rows), ""]
+                     "receive loads", "reply loads", "total with the transport", "us/piece with the transport",
+                     "plan again (cached)", "peak MiB", "peak bytes/piece"], rows), ""]
     base = points[0]
     lin = {n: (p[n] / p["pieces"]) / (base[n] / base["pieces"]) for p in points[-1:]
            for n in (*PHASES, "total", "total_with_transport")}
+    lin_names = (*PHASES, "total", *TRANSPORT, "total_with_transport", "plan_again",
+                 *(("peak_bytes",) if all("peak_bytes" in p for p in points) else ()))
     lrows = [[names.get(n, n), *((p[n] / p["pieces"]) / (base[n] / base["pieces"]) for p in points)]
-             for n in (*PHASES, "total", "total_with_transport")]
+             for n in lin_names]
     out += [f"Linearity: seconds per piece relative to {base['pieces']} pieces (1.0 = linear)", "",
             table_fn(["phase", *(f"{p['pieces']} pieces" for p in points)], lrows), ""]
     full = points[-1]
     worst = max(lin[n] for n in (*PHASES, "total"))
+    worst_t = max(lin[n] for n in (*PHASES, "total", "total_with_transport"))
     checks = [(f"total under {target_s:g} s on one core at {full['pieces']} pieces (median of {repeats})", full["total"],
                f"< {target_s:g} s", full["total"] < target_s),
+              (f"total with the transport under 2 s at {full['pieces']} pieces", full["total_with_transport"], "< 2 s",
+               full["total_with_transport"] < 2.0),
+              ("linear with the transport (worst phase, total or total with the transport)", worst_t, "<= 1.3",
+               worst_t <= 1.3),
+              ("a repeated save's plan costs less than the first", full["plan_again"] / full["plan"], "< 1",
+               full["plan_again"] < full["plan"]),
               ("linear (per-piece cost at the largest / the smallest scale, worst phase or total)", worst, "<= 1.3",
                worst <= 1.3),
               ("read amplification of the load plan", full["read_amplification"], "<= 1.0",

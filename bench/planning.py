@@ -451,6 +451,8 @@ def main() -> None:
     ap.add_argument("--rank-points", default="",
                     help="comma-separated saving rank counts for the end-to-end table in place of 1/4, 1/2 and full "
                          "scale (e.g. 1024,4096,10240,16384); each loads on ranks x --load-ranks / --ranks ranks")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="skip the end-to-end pass with tracemalloc on (the coordinator's peak memory)")
     ap.add_argument("--end-to-end-only", action="store_true",
                     help="only the end-to-end table (plan + commit + metadata write + read + load plan)")
     args = ap.parse_args()
@@ -485,7 +487,15 @@ def main() -> None:
             runs.append(run_end_to_end(r, l, lambda: raydcp_local_plans(r, args.tensors),
                                        lambda: raydcp_load_plans(l, r, args.tensors), step, log))
             gc.collect()
-        e2e.append(median_of(runs))
+        point = median_of(runs)
+        if not args.no_memory:
+            log("    the same with tracemalloc on (untimed): the coordinator's peak memory")
+            point["peak_bytes"] = run_end_to_end(r, l, lambda: raydcp_local_plans(r, args.tensors),
+                                                 lambda: raydcp_load_plans(l, r, args.tensors), step, log,
+                                                 memory=True)["peak_bytes"]
+            log(f"    peak {point['peak_bytes'] / (1 << 20):.0f} MiB, {point['peak_bytes'] / point['pieces']:.0f} bytes/piece")
+            gc.collect()
+        e2e.append(point)
     e2e_text, e2e_summary = report_e2e(e2e, goal, table)
     dcp = None
     if not args.no_dcp and points:
