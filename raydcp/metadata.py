@@ -5,7 +5,7 @@ This module holds the model (Metadata, per-tensor chunk tables, their shared col
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -419,6 +419,20 @@ class Metadata:
                 owner = name.rsplit("/data/", 1)[0]
                 out[owner] = out.get(owner, 0) + n
         return out
+
+    def with_files(self, rename) -> "Metadata":
+        """The same checkpoint with every data file name ``n`` replaced by ``rename(n)`` (the bytes,
+        byte ranges and checksums unchanged): a checkpoint that reads its data from elsewhere."""
+        tensors = self.tensors
+        if not isinstance(tensors, TensorMetas):
+            cols = ChunkColumns.concat([ChunkTable.from_chunks(tm.chunks, len(tm.shape)) for tm in tensors.values()],
+                                       [len(tm.shape) for tm in tensors.values()])
+            tensors = TensorMetas(list(tensors), [tm.dtype for tm in tensors.values()],
+                                  [tuple(tm.shape) for tm in tensors.values()], cols)
+        c = tensors.columns
+        cols = ChunkColumns(c.rows, c.ndim, c.offsets, c.sizes, [rename(f) for f in c.files], c.file, c.byte_offset,
+                            c.nbytes, c.checksum, c.block_values, c.block_bounds, c.codec, c.stored)
+        return replace(self, tensors=TensorMetas(tensors.names, tensors.dtypes, tensors.shapes, cols))
 
     @property
     def owned_bytes(self) -> int:
