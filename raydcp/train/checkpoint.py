@@ -38,6 +38,7 @@ from .. import api
 from ..engine.background import SaveFuture
 from ..errors import CheckpointError
 from ..metadata import Metadata
+from ..options import SaveOptions
 from ..storage import CheckpointStorage
 from ..runtime.train_group import group_named, new_nonce, proposed_group_name, train_context, worker_group
 from ._context import checkpoint_dir_name, fsspec_location, is_raydcp_dir_name
@@ -143,13 +144,24 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     elif persist is not None and persist is not True:
         raise CheckpointError(f"raydcp.train.save(persist={persist!r}) without memory=True: every checkpoint goes to "
                               "storage; persist=False (keep it in the cluster's memory only) needs memory=True")
-    proposal = None
-    if rank == 0:
-        proposal = (checkpoint_dir_name(step, new_nonce()), proposed_group_name(ctx, timeout_s))
-    from ray.train.collective import broadcast_from_rank_zero
+    save_options = None
+    if _emergency is not None:
+        # an emergency save (raydcp.train.preemption): no Ray Train collective, which would wait for
+        # the preempted workers too; every rank names the directory from the preemption event, and
+        # the save commits without the ranks that die meanwhile (a survivors save)
+        if async_save:
+            raise CheckpointError("an emergency save is synchronous (it commits before the deadline): "
+                                  "drop async_save=True from save_on_preemption")
+        name, group = checkpoint_dir_name(step, _emergency["nonce"]), worker_group(timeout_s)
+        save_options = SaveOptions(survivors=True)
+    else:
+        proposal = None
+        if rank == 0:
+            proposal = (checkpoint_dir_name(step, new_nonce()), proposed_group_name(ctx, timeout_s))
+        from ray.train.collective import broadcast_from_rank_zero
 
-    name, group_name = broadcast_from_rank_zero(proposal)
-    group = group_named(ctx, group_name, timeout_s)
+        name, group_name = broadcast_from_rank_zero(proposal)
+        group = group_named(ctx, group_name, timeout_s)
     fs_path = storage.build_checkpoint_path_from_name(name)
     url, options = fsspec_location(storage.storage_filesystem, fs_path, storage_options)
 
@@ -158,8 +170,10 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
         from .memory_saves import memory_root
 
         mem_url = f"{memory_root(ctx)}/{name}"
-        mem_md = api.save(state, mem_url, group=group, storage_options=memory_options)
+        mem_md = api.save(state, mem_url, group=group, storage_options=memory_options, options=save_options)
         mem_s = time.perf_counter() - t0
+        if _emergency is not None:  # the fastest tier first: the memory checkpoint is the first to hold
+            _emergency = {**_emergency, "memory_committed_before_deadline_s": _before_deadline(_emergency)}
         if not persist_now:
             reported = dict(metrics or {})
             reported[METRICS_KEY] = {"step": step, "world_size": world, "checkpoint": name, "mode": "memory",
@@ -173,7 +187,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
         future = api.async_save(state, url, group=group, storage_options=options, max_staging_bytes=cap)
         stall = time.perf_counter() - t0
     else:
-        md = api.save(state, url, group=group, storage_options=options)
+        md = api.save(state, url, group=group, storage_options=options, options=save_options)
         stall = time.perf_counter() - t0
 
     reported = dict(metrics or {})
@@ -181,7 +195,12 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
                                     "mode": "async" if async_save else "sync", "tier": "storage",
                                     "stall_seconds": stall}
     if _emergency is not None:
-        ours["emergency"] = dict(_emergency)
+        ours["emergency"] = {k: v for k, v in _emergency.items() if k != "nonce"}
+        ours["emergency"]["committed_before_deadline_s"] = _before_deadline(_emergency)
+        if not async_save:
+            from ..engine.survivors import lost_ranks
+
+            ours["emergency"]["lost_ranks"] = lost_ranks(md)
     if memory:
         ours.update(memory_seconds=mem_s, memory_path=mem_url, persisted=True)
     from ray.train import Checkpoint, CheckpointUploadMode
@@ -205,6 +224,12 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     if wait_registered:  # every rank waits, so none can move on (and die) before the controller has it
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
     return future if async_save else md
+
+
+def _before_deadline(emergency: dict) -> float | None:
+    """Seconds from now to an emergency save's preemption deadline (negative: past it)."""
+    deadline_ms = emergency.get("deadline_ms")
+    return None if deadline_ms is None else deadline_ms / 1000.0 - time.time()
 
 
 def _save_numbers(md: Metadata, seconds: float, persist: float) -> dict:

@@ -9,7 +9,9 @@ Saved keys (under the TrainState's own key in the state dict, e.g. ``train.``):
   optimizer's state initialised before a load, and set_state_dict applied after it);
 - ``scheduler.*``: the LR scheduler's ``state_dict()`` (plain values);
 - ``progress.step``, ``progress.samples_seen``, ``progress.seed``: plain ints;
-- ``rng.*``: one row per rank of each generator table (:mod:`raydcp.train.rng`).
+- ``rng.*``: one row per rank of each generator table (:mod:`raydcp.train.rng`); left out while
+  :attr:`TrainState.save_rng` is False (an emergency save of survivors: the lost ranks' rows cannot
+  be held by the others), and a restore from such a checkpoint re-derives every rank's RNG.
 
 What each part becomes when the world size changes (N saved -> M loading):
 
@@ -78,6 +80,7 @@ class TrainState:
         self.samples_seen = 0
         # how the last restore set the RNG: None (not restored), "exact" or "derived"
         self.rng_restored: str | None = None
+        self.save_rng = True  # False: a save leaves the per-rank RNG rows out (module doc)
         self._plan: _RestorePlan | None = None
 
     # -- data position --------------------------------------------------------
@@ -128,7 +131,8 @@ class TrainState:
             sd["scheduler"] = self.scheduler.state_dict()
         plan = self._plan
         if plan is None:  # saving
-            sd["rng"] = rng.capture(rank, world)
+            if self.save_rng:
+                sd["rng"] = rng.capture(rank, world)
         else:
             tables = rng.row_request(rank, world, plan.tables) if plan.same_world else rng.empty_request(plan.tables)
             if plan.python_version:

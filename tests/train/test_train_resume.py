@@ -37,10 +37,13 @@ def fault_loop(config: dict) -> None:
     """train_loop, but on the first attempt the last rank dies halfway through its second save."""
     import ray.train
 
-    engine_save = sys.modules["raydcp.engine.save"]  # the module (raydcp.engine.save is also a function)
+    import raydcp.engine.survivors  # noqa: F401  (the emergency save writes through it)
+
+    # the modules (raydcp.engine.save is also a function); both saves write with write_rank_files
+    engines = [sys.modules["raydcp.engine.save"], sys.modules["raydcp.engine.survivors"]]
     ctx = ray.train.get_context()
     if ctx.get_world_rank() == ctx.get_world_size() - 1 and not os.path.exists(config["flag"]):
-        write = engine_save.write_rank_files
+        write = engines[0].write_rank_files
         calls = []
 
         def write_then_die(*args, **kwargs):
@@ -51,7 +54,8 @@ def fault_loop(config: dict) -> None:
                 os._exit(1)
             return records
 
-        engine_save.write_rank_files = write_then_die
+        for engine in engines:
+            engine.write_rank_files = write_then_die
     _TRAIN_LOOP(config)
 
 
