@@ -12,10 +12,13 @@ calls it on the controller process (not on the workers):
    throughput. An incomplete checkpoint raises a :class:`CheckpointError`
    (``strict=False``: only recorded and logged), which fails the run.
 2. ``after_exception`` (a worker raised or died): delete every checkpoint
-   directory of the run that raydcp.train.save created but Ray Train did not
-   register (a save cut short, or committed but never reported by every rank),
-   so none can be picked up later; check that the latest registered checkpoint is
-   committed; append a record.
+   directory of the run that raydcp.train.save created but did not commit (a save
+   cut short), and every committed one that Ray Train did not register and that is
+   not newer (by its step) than the latest registered one (it can never be resumed
+   from); keep a committed, unregistered one of a later step: a checkpoint the
+   survivors of a preemption committed while the preempted workers never reported,
+   which :func:`raydcp.train.restore` resumes from (:mod:`raydcp.train.latest`).
+   Check that the latest registered checkpoint is committed; append a record.
 
 A report without a checkpoint from a ``raydcp.train.save(memory=True)`` that kept its
 checkpoint in the cluster's memory only is recorded too (``tier="memory"``,
@@ -54,6 +57,7 @@ from ..planner.tiling import piece_problems
 from ..storage import CheckpointStorage
 from ._context import fsspec_location
 from .checkpoint import METRICS_KEY, run_checkpoint_dirs
+from .memory_saves import step_of_dir
 
 __all__ = ["RayDCPCallback", "RECORDS_NAME", "check_checkpoint"]
 
@@ -166,11 +170,15 @@ class RayDCPCallback(UserCallback):
         registered, latest = self._registered(storage)
         _, options = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, self.storage_options)
         removed = []
+        floor = None if latest is None else step_of_dir(latest)
         for name, url in run_checkpoint_dirs(storage, self.storage_options):
             ckpt = CheckpointStorage(url, options)
             # Without Ray Train's list, only directories that never committed are known to be garbage.
             if (registered is None and ckpt.is_committed()) or (registered is not None and name in registered):
                 continue
+            step = step_of_dir(name)
+            if step is not None and (floor is None or step > floor) and ckpt.is_committed():
+                continue  # committed by survivors that could not report: the next attempt resumes from it
             try:
                 ckpt.delete()
                 removed.append(name)

@@ -173,11 +173,13 @@ def _run_storage(tmp_path):
 
 
 def test_after_exception_removes_what_ray_train_did_not_register(tmp_path):
+    """...but for committed checkpoints newer than the latest registered one (committed by the
+    survivors of a preemption, which the next attempt resumes from)."""
     from types import SimpleNamespace
 
     storage = _run_storage(tmp_path)
     run = tmp_path / "run"
-    for name in ("raydcp-step00000002-aaaaaaaa", "raydcp-step00000004-bbbbbbbb"):
+    for name in ("raydcp-step00000001-ffffffff", "raydcp-step00000002-aaaaaaaa", "raydcp-step00000004-bbbbbbbb"):
         raydcp.save({"x": torch.ones(2)}, run / name)  # committed
     (run / "raydcp-step00000006-cccccccc" / "data").mkdir(parents=True)  # a save cut short
     (run / "raydcp-step00000006-cccccccc" / "data" / "r0.bin").write_bytes(b"partial")
@@ -190,11 +192,11 @@ def test_after_exception_removes_what_ray_train_did_not_register(tmp_path):
     ctx = SimpleNamespace(run_config=SimpleNamespace(storage_context=storage))
     cb.after_exception(ctx, {1: RuntimeError("rank 1 died\nmore")})
     rec = cb.records[-1]
-    assert rec["removed"] == ["raydcp-step00000004-bbbbbbbb", "raydcp-step00000006-cccccccc"]
+    assert rec["removed"] == ["raydcp-step00000001-ffffffff", "raydcp-step00000006-cccccccc"]
     assert (rec["ranks"], rec["errors"], rec["latest"], rec["latest_committed"]) == (
         [1], {"1": "rank 1 died"}, "raydcp-step00000002-aaaaaaaa", True)
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == [
-        "checkpoint_2026-01-01_00-00-00.000000", "raydcp-step00000002-aaaaaaaa"]
+        "checkpoint_2026-01-01_00-00-00.000000", "raydcp-step00000002-aaaaaaaa", "raydcp-step00000004-bbbbbbbb"]
     lines = (run / raydcp.train.RECORDS_NAME).read_text().splitlines()
     assert len(lines) == 1 and '"event": "exception"' in lines[0]
 
