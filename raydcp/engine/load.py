@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Sequence
 
 from ..codec import itemsize
@@ -19,7 +18,7 @@ from ..planner.transfer import plan_transfer
 from ..state import FlatState, UndoCopy, flatten_state
 from ..state_modules import legacy_optimizer_renames
 from ..storage import CheckpointStorage
-from ..transport import Transport
+from ..transport import Reusing, Transport
 from .compressed import CompressedPieces
 from .reads import ChunkReader, Deliverer, FileChunkReader, LiveChunkReader, check_shares
 from .save import local_save_plan
@@ -74,20 +73,23 @@ def _stored_sources(md: Metadata):
     return untiled_sources(md)
 
 
-def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple]):
+def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests: Sequence[tuple], cache=None):
     """Each rank sends (its LocalLoadPlan, its optimizers' parameter FQNs by id, whether it hands
     state back to Stateful objects, Modules or optimizers); each gets back (its RankLoadPlan, its
     Skipped, the group's Skipped: every rank's state-dict-only keys, the compressed pieces of the
     files it reads or None, whether any rank hands state back: then the load ends with a
-    "load: commit" step, see :func:`load_with`)."""
-    return _plan_loads(read_metadata(checkpoint_id, storage_options), requests)
+    "load: commit" step, see :func:`load_with`). ``cache``: the group's
+    :class:`~raydcp.planner.PlanCache`, where the coordinator keeps one."""
+    return _plan_loads(read_metadata(checkpoint_id, storage_options), requests, cache)
 
 
-def _plan_loads(md: Metadata, requests: Sequence[tuple]) -> list:
+def _plan_loads(md: Metadata, requests: Sequence[tuple], cache=None) -> list:
     """:func:`_reduce_load_plan` once the metadata is read: check the requests, plan every rank's reads.
 
     A checkpoint holding compressed pieces is planned without joint reads: a compressed piece is
-    read whole, so each is read by one rank, which forwards the parts others need."""
+    read whole, so each is read by one rank, which forwards the parts others need. ``cache``: a
+    :class:`~raydcp.planner.PlanCache` (the plan of the same requests over chunks in the same
+    places is reused)."""
     local_plans = [r[0] for r in requests]
     available = {k: TensorSpec(t.dtype, t.shape) for k, t in md.tensors.items()}
     itemsizes = {k: itemsize(t.dtype) for k, t in md.tensors.items()}
@@ -101,7 +103,8 @@ def _plan_loads(md: Metadata, requests: Sequence[tuple]) -> list:
         values = {get(k, k): v for k, v in values.items()}
     check_requests(available, values, local_plans)
     packed = CompressedPieces.of_metadata(md)
-    plans = plan_load(sources, local_plans, values, itemsizes, joint_reads=not packed, tiles=md.tensors)
+    plans = plan_load(sources, local_plans, values, itemsizes, joint_reads=not packed, tiles=md.tensors,
+                      cache=cache)
     compressed = [packed.for_plan(p) if packed else None for p in plans]
     commit = any(len(r) > 2 and r[2] for r in requests)
     if all(lp.strict for lp in local_plans):
@@ -259,7 +262,7 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     written = None if options.atomic or fresh else []
     try:
         plan, skipped, group_skipped, compressed, commit = transport.reduce_scatter(
-            "load: plan", local, partial(_reduce_load_plan, checkpoint_id, storage_options))
+            "load: plan", local, Reusing(_reduce_load_plan, checkpoint_id, storage_options))
         before = None
         if options.atomic and not fresh:
             def before():

@@ -140,6 +140,7 @@ def plan_load(
     *,
     joint_reads: bool = True,
     tiles=None,
+    cache=None,
 ) -> list[RankLoadPlan]:
     """Assign every needed source chunk to one reader and list its deliveries (pure).
 
@@ -154,12 +155,17 @@ def plan_load(
     checks that they tile their tensors exactly (:func:`require_tiling`, the CheckpointError it
     raises): on the arrays the plan lays out anyway where ``sources`` are ``stored_sources``'s
     columns of a decoded checkpoint, on its own otherwise.
+
+    ``cache``: a :class:`~raydcp.planner.PlanCache` the caller keeps between loads; a load with
+    the requests of the last one (every rank's layout digest) from chunks in the same places
+    (compared array by array) reuses its reads and takes the files and checksums anew.
     """
     on_line = tiles is not None and isinstance(sources, StoredSources) and sources.tensors is tiles \
         and hasattr(tiles, "shapes")
     if tiles is not None and not on_line:
         require_tiling(tiles)
-    planned = plan_load_columns(sources, local_plans, values, itemsizes, joint_reads, tiles if on_line else None)
+    planned = plan_load_columns(sources, local_plans, values, itemsizes, joint_reads, tiles if on_line else None,
+                                cache if on_line else None)
     if planned is not None:
         return planned
     if on_line:  # the array path stopped before its check

@@ -19,7 +19,7 @@ from .chunk_index import general_pairs
 from .joint_reads import split_large_chunks
 from .line_search import even_search, line_search
 from .load_tiling import check_line_tiling
-from .read_tables import read_tables
+from .read_tables import read_tables, stored_plans
 from .sources import StoredSources, columns_arrays, shared_columns, table_arrays
 from .types import RankLoadPlan, StoredChunks
 
@@ -31,7 +31,7 @@ def shown_keys(keys: list[str], limit: int = 20) -> str:
 
 
 def plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool = True,
-                       tiles=None) -> list[RankLoadPlan] | None:
+                       tiles=None, cache=None) -> list[RankLoadPlan] | None:
     """The array path of :func:`raydcp.planner.plan_load`, or None where the general path must decide.
 
     Phases, each a function over the shared columns (:class:`_Arrays`): the source chunks
@@ -41,12 +41,21 @@ def plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool
     needed chunk (:func:`_assign_readers`); each rank's reads in order (:func:`_order_reads`);
     and the per-rank plans (:func:`.read_tables.read_tables`). ``tiles``: the ``TensorMetas`` of a decoded
     checkpoint whose chunks ``sources`` are (a ``StoredSources`` over it), checked to tile their
-    tensors on the line the overlap search lays out (:mod:`.load_tiling`).
+    tensors on the line the overlap search lays out (:mod:`.load_tiling`). ``cache``: a
+    :class:`~raydcp.planner.PlanCache`; where ``sources`` are a decoded checkpoint's chunks, the
+    plan is kept in it, and a plan of the same requests over chunks in the same places reuses it.
     """
     world = len(local_plans)
     lcols = [getattr(lp, "columns", None) for lp in local_plans]
     if any(c is None for c in lcols):
         return None
+    key = None
+    if cache is not None and isinstance(sources, StoredSources) and tiles is not None \
+            and not sources.tensors.columns.compressed:  # compressed pieces are read whole, apart
+        key = cache.load_key(local_plans, joint_reads)
+        layout = None if key is None else cache.loaded(key, sources.tensors)
+        if layout is not None:
+            return _reused_plans(layout, sources, local_plans, values)
     keys = list(sources)
     nkeys = len(keys)
     kid = {key: i for i, key in enumerate(keys)}
@@ -61,7 +70,24 @@ def plan_load_columns(sources, local_plans, values, itemsizes, joint_reads: bool
     _needed_parts(a)
     _assign_readers(a)
     _order_reads(a)
-    return read_tables(a)
+    plans = read_tables(a)
+    if key is not None:
+        cache.keep_load(key, sources.tensors, a.read_layout)
+    return plans
+
+
+def _reused_plans(layout, sources: StoredSources, local_plans, values) -> list[RankLoadPlan]:
+    """The plans of a load whose requests and chunk places are those ``layout`` was made for:
+    the files, byte offsets and checksums taken from ``sources`` (the reads' other columns and
+    the deliveries as they were; the previous plans' rows are left as they are)."""
+    cols = sources.tensors.columns
+    counts = np.diff(cols.rows)
+    cstart = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=cstart[1:])
+    width = (layout.reads.shape[1] - 7) // 2
+    *_, files, s_file, s_boff, s_crc, s_bstart, _, block_arrays = columns_arrays(cols, counts, cstart, width)
+    return stored_plans(layout, layout.reads.copy(), s_file, s_boff, s_crc, s_bstart, block_arrays, files,
+                        local_plans, values)
 
 
 class _Arrays(SimpleNamespace):
@@ -359,7 +385,7 @@ def _assign_readers(a: _Arrays) -> None:
     whose deliveries are all one rank's is read by that rank, and the rest are assigned on
     arrays (:func:`_shared_readers`); a live chunk goes to its least loaded holder."""
     boxes, cstart, isz, nchunks, p_bytes = a.boxes, a.cstart, a.isz, a.nchunks, a.p_bytes
-    p_c, p_numel, p_rank, s_key, s_nbytes, s_off = a.p_c, a.p_numel, a.p_rank, a.s_key, a.s_nbytes, a.s_off
+    p_c, p_rank, s_key, s_nbytes, s_off = a.p_c, a.p_rank, a.s_key, a.s_nbytes, a.s_off
     s_size, stored, tables, world = a.s_size, a.stored, a.tables, a.world
     npairs = len(p_c)
     ccount = np.bincount(p_c, minlength=nchunks) if npairs else np.zeros(nchunks, np.int64)
@@ -428,7 +454,7 @@ def _group_bytes(a: _Arrays, sp, sp_heads, sp_count) -> np.ndarray:
     Parts that span their chunk in every dimension but the split one (the usual case) are
     intervals on it: their union is measured on arrays (sorted by start, each part adding what
     it reaches past the ones before it). Other groups are measured part by part in byte runs."""
-    isz, p_bytes, p_rank, s_key, s_off, s_size = a.isz, a.p_bytes, a.p_rank, a.s_key, a.s_off, a.s_size
+    isz, p_bytes, s_key, s_off, s_size = a.isz, a.p_bytes, a.s_key, a.s_off, a.s_size
     ngroups = len(sp_heads)
     out = np.zeros(ngroups, np.int64)
     fast = np.zeros(ngroups, bool)

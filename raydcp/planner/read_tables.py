@@ -15,11 +15,30 @@ def read_tables(a) -> list[RankLoadPlan]:
     its plain values and byte counts. ``a``: the columns of the planner's earlier phases
     (:class:`.load_arrays._Arrays`). Stored chunks: the reads of all ranks are laid out once, as
     the two matrices of :meth:`ReadTable.of_rows`, one row per read and per delivery, rank after
-    rank; each rank's table is its rows of them (views: no copy, no array per column)."""
+    rank; each rank's table is its rows of them (views: no copy, no array per column). What the
+    chunks' places decide (:func:`read_layout`) is apart from what their files, byte offsets and
+    checksums add (:func:`stored_plans`): a later load of the same layout reuses the first."""
     if not a.stored:
         return _object_tables(a)
+    layout = read_layout(a)
+    a.read_layout = layout
+    return stored_plans(layout, layout.reads, a.s_file, a.s_boff, a.s_crc, a.s_bstart, a.block_arrays, a.files,
+                        a.local_plans, a.values)
+
+
+class ReadLayout:
+    """The part of a load plan over stored chunks that the chunks' places and the requests decide:
+    the matrices of :meth:`ReadTable.of_rows` but for the columns of files, byte offsets and
+    checksums (``reads``; ``dels`` whole), which chunk each read is (``rchunk``), the reads' and
+    deliveries' bounds per rank, the block checksums' bounds per read, and the per-rank counts."""
+
+    __slots__ = ("reads", "dels", "rchunk", "r_of", "rb", "pb", "bounds", "joint", "keys", "dtypes", "ndims",
+                 "incoming", "bytes_read", "needed")
+
+
+def read_layout(a) -> ReadLayout:
     boxes, nreads, p_q, p_rank, pairs, pb, rb = a.boxes, a.nreads, a.p_q, a.p_rank, a.pairs, a.pb, a.rb
-    rchunk, rjoint, s_blen, s_bstart = a.rchunk, a.rjoint, a.s_blen, a.s_bstart
+    rchunk, rjoint, s_blen = a.rchunk, a.rjoint, a.s_blen
     width = a.s_off.shape[1]
     own_boxes = not a.whole
     nr, nd = packed_rows(width, own_boxes)
@@ -33,21 +52,12 @@ def read_tables(a) -> list[RankLoadPlan]:
         np.take(a.s_key, rchunk, out=reads[:, 0])
         np.take(a.s_off, rchunk, axis=0, out=reads[:, 7:7 + width])
         np.take(a.s_size, rchunk, axis=0, out=reads[:, 7 + width:])
-    reads[:, 1], rank_files = _rank_files(np.take(a.s_file, rchunk), r_of, rb, a.files)
-    for c, col in ((2, a.s_boff), (3, a.s_nbytes), (4, a.s_crc)):
-        np.take(col, rchunk, out=reads[:, c])
+    np.take(a.s_nbytes, rchunk, out=reads[:, 3])
     np.subtract(pb[:-1], pb[rb[:-1]][r_of], out=reads[:, 5])  # counted from the rank's first
     bounds = np.zeros(nreads + 1, np.int64)
-    values_all = np.zeros(0, np.uint32)
     if s_blen.any():  # some chunk has block checksums (none has where every chunk is small)
-        bl = s_blen[rchunk]
-        np.cumsum(bl, out=bounds[1:])
-        total = int(bounds[-1])
-        if total:
-            everything = np.concatenate(a.block_arrays).astype(np.uint32, copy=False)
-            values_all = everything[np.repeat(s_bstart[rchunk] - bounds[:-1], bl) + np.arange(total)]
+        np.cumsum(s_blen[rchunk], out=bounds[1:])
     np.subtract(bounds[:-1], bounds[rb[:-1]][r_of], out=reads[:, 6])
-    del r_of
     dels = np.empty((int(pb[-1]), nd), np.int64)
     if pairs is None:
         dels[:, 0], dels[:, 1] = p_rank, a.q_item[p_q]
@@ -55,15 +65,35 @@ def read_tables(a) -> list[RankLoadPlan]:
         dels[:, 0], dels[:, 1] = p_rank[pairs], a.q_item[p_q[pairs]]
     if own_boxes:
         dels[:, 2:2 + width], dels[:, 2 + width:] = boxes(pairs)
-    joint = rjoint if len(a.sp_heads) and rjoint.any() else None
-    keys, dtypes, ndims = PackedNames.of(a.keys), PackedNames.of(a.dtypes), tuple(a.nd_key.tolist())
+    out = ReadLayout()
+    out.reads, out.dels, out.rchunk, out.r_of, out.rb, out.pb, out.bounds = reads, dels, rchunk, r_of, rb, pb, bounds
+    out.joint = rjoint if len(a.sp_heads) and rjoint.any() else None
+    out.keys, out.dtypes, out.ndims = PackedNames.of(a.keys), PackedNames.of(a.dtypes), tuple(a.nd_key.tolist())
+    out.incoming, out.bytes_read, out.needed = a.incoming.tolist(), a.bytes_read.tolist(), a.needed.tolist()
+    return out
+
+
+def stored_plans(layout: ReadLayout, reads: np.ndarray, s_file, s_boff, s_crc, s_bstart, block_arrays, files,
+                 local_plans, values) -> list[RankLoadPlan]:
+    """Every rank's plan from ``layout`` and the stored chunks' files, byte offsets and checksums
+    (written into ``reads``, ``layout.reads`` or a copy of it) and plain ``values``."""
+    rchunk, rb, pb, bounds = layout.rchunk, layout.rb, layout.pb, layout.bounds
+    reads[:, 1], rank_files = _rank_files(np.take(s_file, rchunk), layout.r_of, rb, files)
+    np.take(s_boff, rchunk, out=reads[:, 2])
+    np.take(s_crc, rchunk, out=reads[:, 4])
+    values_all = np.zeros(0, np.uint32)
+    total = int(bounds[-1])
+    if total:
+        bl = np.diff(bounds)
+        everything = np.concatenate(block_arrays).astype(np.uint32, copy=False)
+        values_all = everything[np.repeat(s_bstart[rchunk] - bounds[:-1], bl) + np.arange(total)]
+    dels, joint, keys, dtypes, ndims = layout.dels, layout.joint, layout.keys, layout.dtypes, layout.ndims
     rbl = rb.tolist()
     pbl = pb[rb].tolist()  # each rank's first and last delivery
     bbl = bounds[rb].tolist()  # and block checksum
-    incoming, bytes_read, needed = a.incoming.tolist(), a.bytes_read.tolist(), a.needed.tolist()
-    values = a.values
+    incoming, bytes_read, needed = layout.incoming, layout.bytes_read, layout.needed
     plans = []
-    for r, lp in enumerate(a.local_plans):
+    for r, lp in enumerate(local_plans):
         lo, hi = rbl[r], rbl[r + 1]
         blocks = values_all[bbl[r]:bbl[r + 1]] if bbl[r + 1] > bbl[r] else None
         table = ReadTable.of_rows(reads[lo:hi], dels[pbl[r]:pbl[r + 1]], blocks,

@@ -42,14 +42,49 @@ class SaveReuse:
 
 
 class PlanCache:
-    """The last save plan's reusable part, under the digest of its layouts (see module doc)."""
+    """The last save plan's and the last load plan's reusable parts (see module doc).
 
-    __slots__ = ("_save", "hits", "misses")
+    A load plan over a checkpoint's stored chunks is kept under the digest of the loading ranks'
+    layouts and the chunks' places (their tensors' names, dtypes and shapes, and every chunk's
+    box and bytes, compared array by array with the last ones): a load of the same layout from a
+    checkpoint whose chunks lie in the same places -- the next checkpoint of the same run --
+    reuses what the reads are (:class:`~raydcp.planner.read_tables.ReadLayout`) and takes only
+    the files, byte offsets and checksums from its own metadata."""
+
+    __slots__ = ("_save", "_load", "hits", "misses", "load_hits", "load_misses")
 
     def __init__(self) -> None:
         self._save: tuple[bytes, SaveReuse] | None = None
-        self.hits = 0
-        self.misses = 0
+        self._load: tuple | None = None
+        self.hits = self.misses = 0
+        self.load_hits = self.load_misses = 0
+
+    @staticmethod
+    def load_key(local_plans: Sequence, joint_reads: bool) -> bytes | None:
+        """The digest a load plan is kept under (with the chunks' places): every loading rank's
+        layout and strictness, in rank order; None where a rank's columns carry no layout."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{len(local_plans)}/{joint_reads}".encode())
+        for lp in local_plans:
+            layout = getattr(getattr(lp, "columns", None), "layout", None)
+            if not isinstance(layout, bytes):
+                return None
+            h.update(layout)
+            h.update(b"s" if lp.strict else b"n")
+        return h.digest()
+
+    def loaded(self, key: bytes, tensors):
+        """The ReadLayout kept under ``key`` for chunks in the places of ``tensors`` (a decoded
+        checkpoint's TensorMetas), counted as a hit; None (a miss) otherwise."""
+        kept = self._load
+        if kept is not None and kept[0] == key and _same_places(kept[1], _places(tensors)):
+            self.load_hits += 1
+            return kept[2]
+        self.load_misses += 1
+        return None
+
+    def keep_load(self, key: bytes, tensors, layout) -> None:
+        self._load = (key, _places(tensors), layout)
 
     @staticmethod
     def save_key(columns: Sequence, max_file_bytes: int) -> bytes | None:
@@ -76,4 +111,14 @@ class PlanCache:
         self._save = (key, reuse)
 
     def clear(self) -> None:
-        self._save = None
+        self._save = self._load = None
+
+
+def _places(tensors) -> tuple:
+    c = tensors.columns
+    return (list(tensors.names), list(tensors.dtypes), [tuple(s) for s in tensors.shapes], c.rows, c.ndim,
+            c.offsets, c.sizes, c.nbytes, np.diff(c.block_bounds))
+
+
+def _same_places(a: tuple, b: tuple) -> bool:
+    return a[:3] == b[:3] and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a[3:], b[3:]))
