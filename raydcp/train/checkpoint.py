@@ -87,7 +87,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
          storage_options: dict | None = None, timeout_s: float = 600.0, wait_registered: bool = False,
          async_save: bool = False, max_staging_bytes: int | None = None, memory: bool = False,
          persist_every: int = 1, persist: bool | None = None, memory_options: dict | None = None,
-         _emergency: dict | None = None) -> Metadata | SaveFuture:
+         incremental: bool = False, _emergency: dict | None = None) -> Metadata | SaveFuture:
     """Save this rank's part of ``state_dict`` as one checkpoint of the run, and report it.
 
     Every worker calls it at the same point (it is a collective, like
@@ -130,6 +130,13 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     "memory"`` (``"storage"`` for persisted ones). :func:`restore` loads from memory
     when the newest checkpoint is there. Returns the metadata of the memory
     checkpoint when it is not persisted.
+
+    ``incremental=True`` saves a delta checkpoint (docs/delta.md): only the pieces
+    that changed since the run's previous checkpoint are written. Its data lies
+    under ``<run>/raydcp-data/`` (:mod:`raydcp.train.incremental`), which Ray
+    Train's ``num_to_keep`` never deletes; the checkpoint Ray Train registers reads
+    from there, and loads and restores like any other. ``metrics["raydcp"]`` then
+    carries ``written_bytes`` and ``referenced_bytes``. Emergency saves are full.
     """
     ctx = _context("save")
     state = _as_state_dict(state_dict)
@@ -157,20 +164,29 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
     else:
         proposal = None
         if rank == 0:
-            proposal = (checkpoint_dir_name(step, new_nonce()), proposed_group_name(ctx, timeout_s))
+            proposal = (checkpoint_dir_name(step, new_nonce()), proposed_group_name(ctx, timeout_s),
+                        _incremental_base(storage, storage_options) if incremental else None)
         from ray.train.collective import broadcast_from_rank_zero
 
-        name, group_name = broadcast_from_rank_zero(proposal)
+        name, group_name, data_base = broadcast_from_rank_zero(proposal)
         group = group_named(ctx, group_name, timeout_s)
     fs_path = storage.build_checkpoint_path_from_name(name)
     url, options = fsspec_location(storage.storage_filesystem, fs_path, storage_options)
+    data_url = None
+    if incremental and _emergency is None:  # the delta's data under raydcp-data/, a base the run holds
+        from .incremental import DATA_DIR
+
+        run_url, _ = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, storage_options)
+        data_url = f"{run_url.rstrip('/')}/{DATA_DIR}/{name}"
+        save_options = SaveOptions(base=data_base or "previous")
 
     t0 = time.perf_counter()
     if memory:
         from .memory_saves import memory_root
 
         mem_url = f"{memory_root(ctx)}/{name}"
-        mem_md = api.save(state, mem_url, group=group, storage_options=memory_options, options=save_options)
+        mem_md = api.save(state, mem_url, group=group, storage_options=memory_options,
+                          options=SaveOptions(base="previous") if data_url is not None else save_options)
         mem_s = time.perf_counter() - t0
         if _emergency is not None:  # the fastest tier first: the memory checkpoint is the first to hold
             _emergency = {**_emergency, "memory_committed_before_deadline_s": _before_deadline(_emergency)}
@@ -184,11 +200,14 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
             return mem_md
     if async_save:
         cap = None if max_staging_bytes is None else int(max_staging_bytes) // ctx.get_local_world_size()
-        future = api.async_save(state, url, group=group, storage_options=options, max_staging_bytes=cap)
+        future = api.async_save(state, data_url or url, group=group, storage_options=options, max_staging_bytes=cap,
+                                options=save_options)
         stall = time.perf_counter() - t0
     else:
-        md = api.save(state, url, group=group, storage_options=options, options=save_options)
+        md = api.save(state, data_url or url, group=group, storage_options=options, options=save_options)
         stall = time.perf_counter() - t0
+        if data_url is not None:
+            _register_incremental(rank, data_url, url, name, storage, options, storage_options)
 
     reported = dict(metrics or {})
     ours = reported[METRICS_KEY] = {"step": step, "world_size": world, "checkpoint": name,
@@ -211,6 +230,9 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
             # Ray Train's upload thread: registers the checkpoint only once the group has committed it.
             # The report's metrics are this dict, so the numbers filled in here travel with it.
             done = future.result()
+            if data_url is not None:
+                _register_incremental(rank, data_url, url, name, storage, options, storage_options)
+                ours.update(_incremental_numbers(done))
             ours.update(_save_numbers(done, time.perf_counter() - t0, persist=time.perf_counter() - t0 - stall))
             return ckpt
 
@@ -219,11 +241,43 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
                          delete_local_checkpoint_after_upload=False, checkpoint_upload_fn=wait_committed)
     else:
         ours.update(_save_numbers(md, stall, persist=stall))
+        if data_url is not None:
+            ours.update(_incremental_numbers(md))
         ray.train.report(reported, checkpoint=checkpoint, checkpoint_dir_name=name,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
     if wait_registered:  # every rank waits, so none can move on (and die) before the controller has it
         ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
     return future if async_save else md
+
+
+def _incremental_base(storage, storage_options: dict | None) -> str | None:
+    """Rank 0: the base of the run's next incremental save (its newest data checkpoint), or None."""
+    from .incremental import latest_data
+
+    run_url, options = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, storage_options)
+    return latest_data(run_url, options)
+
+
+def _register_incremental(rank: int, data_url: str, url: str, name: str, storage, options: dict | None,
+                          storage_options: dict | None) -> None:
+    """Rank 0, once the data committed: commit the checkpoint Ray Train registers, then sweep the
+    data whose checkpoints Ray Train removed (a failed sweep is retried at the next save)."""
+    if rank != 0:
+        return
+    from .incremental import commit_registered, sweep
+
+    commit_registered(data_url, url, options)
+    run_url, _ = fsspec_location(storage.storage_filesystem, storage.experiment_fs_path, storage_options)
+    try:
+        removed = sweep(run_url, name, options)
+        if removed:
+            logger.info("raydcp: removed the data of checkpoints Ray Train no longer keeps: %s", removed)
+    except CheckpointError as exc:
+        logger.warning("raydcp: the data of removed checkpoints stays until the next save: %s", exc)
+
+
+def _incremental_numbers(md: Metadata) -> dict:
+    return {"written_bytes": int(md.owned_bytes), "referenced_bytes": int(sum(md.references.values()))}
 
 
 def _before_deadline(emergency: dict) -> float | None:

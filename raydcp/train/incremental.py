@@ -20,8 +20,6 @@ go once nothing references them.
 from __future__ import annotations
 
 import posixpath
-from typing import Any
-
 from ..metadata import Metadata
 from ..metadata_format import decode_metadata, encode_metadata
 from ..storage import CheckpointStorage, list_committed, remove_checkpoint
@@ -72,7 +70,3 @@ def sweep(run_url: str, keep: str, storage_options: dict | None) -> list[str]:
         removed.append(c.name)
     return removed
 
-
-def describe(md: Any) -> dict:
-    """What metrics["raydcp"] says of an incremental save: the bytes it wrote and referenced."""
-    return {"written_bytes": int(md.owned_bytes), "referenced_bytes": int(sum(md.references.values()))}
