@@ -496,7 +496,7 @@ def main() -> None:
             log(f"    peak {point['peak_bytes'] / (1 << 20):.0f} MiB, {point['peak_bytes'] / point['pieces']:.0f} bytes/piece")
             gc.collect()
         e2e.append(point)
-    e2e_text, e2e_summary = report_e2e(e2e, goal, table)
+    e2e_text, e2e_summary = report_e2e(e2e, goal, table, goal_ranks=args.ranks)
     dcp = None
     if not args.no_dcp and points:
         peer = points[{0.25: 0, 0.5: 1, 1.0: 2}[args.dcp_at]]
