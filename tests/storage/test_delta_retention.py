@@ -96,3 +96,42 @@ def test_resaving_the_base_path_keeps_the_data_a_delta_references(tmp_path):
     raydcp.save(other, tmp_path / "base")  # a new save into the base's path prunes its old data
     loads(tmp_path / "delta", s)
     loads(tmp_path / "base", other)
+
+
+def test_delta_saves_racing_retention_never_lose_a_referenced_byte(tmp_path):
+    """A run saving deltas while another process prunes it (keep_last=1) as fast as it can: every
+    checkpoint that committed loads, whichever removal it raced, until retention removed it."""
+    import threading
+
+    from raydcp.errors import CheckpointError
+
+    s = state()
+    done = threading.Event()
+    problems: list[str] = []
+
+    def prune() -> None:
+        while not done.is_set():
+            try:
+                apply_retention(tmp_path, 1)
+            except CheckpointError as exc:  # a directory removed under its feet: the next pass goes on
+                problems.append(f"retention: {exc}") if "is damaged" in str(exc) else None
+
+    pruner = threading.Thread(target=prune, daemon=True)
+    pruner.start()
+    try:
+        for step in range(1, 16):
+            s["adapter"] += 1
+            path = tmp_path / f"step-{step:02d}"
+            raydcp.save(s, path, options=DELTA)
+            out = {"frozen": torch.zeros(128, 64), "adapter": torch.zeros(4, 4), "step": -1}
+            try:
+                raydcp.load(out, path)
+            except raydcp.CheckpointNotFoundError:
+                continue  # retention removed it already (a newer one exists): not a loss
+            assert torch.equal(out["frozen"], s["frozen"]) and torch.equal(out["adapter"], s["adapter"])
+    finally:
+        done.set()
+        pruner.join(30)
+    assert not problems
+    apply_retention(tmp_path, 1)
+    loads(tmp_path / "step-15", s)
