@@ -389,14 +389,24 @@ class RayMemFileSystem(AbstractFileSystem):
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
             placement.forget(local, self.holder_kind)
             return arrays
-        for path, (ref,) in boxed.items():
-            try:
-                arrays[path] = ray.get(ref, timeout=self.timeout_s)
-            except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
-                continue  # read it from a replica
+        paths = list(boxed)
+        refs = [boxed[p][0] for p in paths]
+        try:  # one get for every file: a load reads several files of this node
+            got = ray.get(refs, timeout=self.timeout_s)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
+            got = []  # one of them is lost: get each alone, the lost ones then read from a replica
+            for ref in refs:
+                try:
+                    got.append(ray.get(ref, timeout=self.timeout_s))
+                except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
+                    got.append(None)
+        for path, arr in zip(paths, got):
+            if arr is None:
+                continue
+            arrays[path] = arr
             if is_data_file(path):
                 with self._views_lock:
-                    self._views[path] = arrays[path]
+                    self._views[path] = arr
         return arrays
 
     def _read_remote(self, wanted: dict[str, list[int]], paths, starts, ends, out: list) -> None:

@@ -1,0 +1,42 @@
+"""raymem:// reads on the node holding the files: zero-copy views of the object store's copies,
+found with one holder lookup and one get for all the files a read names."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import raydcp
+from raydcp.runtime.memstore.layout import is_data_file
+
+from ._raymem_state import COLS, ROWS, fresh_name, save_two_ranks
+from ._raymem_state import raymem_fs as _fs
+
+
+@pytest.fixture
+def name(ray_session):
+    yield from fresh_name(ray_session, "reads")
+
+
+def test_the_files_of_a_read_come_in_one_get(name, monkeypatch):
+    import ray
+
+    url = f"raymem://{name}/ck"
+    assert save_two_ranks(url, seed=3) == [None, None]
+    files = [p for p in _fs().find(f"{name}/ck") if is_data_file(p)]
+    assert len(files) == 2  # one per rank
+    fs = _fs()
+    gets: list = []
+    real = ray.get
+
+    def counting(refs, *args, **kwargs):
+        gets.append(len(refs) if isinstance(refs, list) else 1)
+        return real(refs, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", counting)
+    heads = fs.cat_ranges(files, [0, 0], [16, 16])
+    monkeypatch.setattr(ray, "get", real)
+    assert [len(h) for h in heads] == [16, 16]
+    assert gets == [1, 2]  # the holder's lookup, then both files at once
+    whole = {"w": torch.zeros(ROWS, COLS), "seed": -1}
+    raydcp.load(whole, url)
+    assert torch.equal(whole["w"], torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3)))
