@@ -117,7 +117,7 @@ class DeltaBase:
     box, and (read when first needed) the digests its writers recorded."""
 
     def __init__(self, storage: CheckpointStorage, md: Metadata, writer: str):
-        self.storage, self.md, self.writer = storage, md, writer
+        self.storage, self.metadata, self.writer = storage, md, writer
         self._index: dict[tuple, _Chunk] | None = None
         self._digests: dict[tuple[str, int], bytes] | None = None
 
@@ -128,7 +128,7 @@ class DeltaBase:
     def index(self) -> dict[tuple, _Chunk]:
         if self._index is None:
             out: dict[tuple, _Chunk] = {}
-            for key, tm in self.md.tensors.items():
+            for key, tm in self.metadata.tensors.items():
                 for c in tm.chunks:
                     codec = 0 if c.compression is None else COMPRESSIONS.index(c.compression) + 1
                     out[(key, tuple(c.offsets), tuple(c.sizes))] = _Chunk(
@@ -140,7 +140,7 @@ class DeltaBase:
         """``(file path, byte offset) -> digest`` of the base's chunks (paths resolved, so the
         digests recorded by the save that wrote a file and by later deltas agree)."""
         if self._digests is None:
-            sid = self.md.save_id.split("/", 1)[0]
+            sid = self.metadata.save_id.split("/", 1)[0]
             out: dict[tuple[str, int], bytes] = {}
             for name in self.storage.list_files(f"data/{sid}/"):
                 if not name.endswith(".xxh3"):
