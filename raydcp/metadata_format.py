@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from .codec import checksum, decode_value, encode_value, itemsize
 from .errors import CheckpointDamagedError, CheckpointError
+from .storage.references import check_reference
 from .metadata import (BLOCK_BYTES, COMPRESSED_FORMAT_VERSION, COMPRESSIONS, FORMAT_VERSION, READ_MAJORS,
                        REFERENCE_FORMAT_VERSION,
                        ChunkColumns, ChunkMeta, ChunkTable, Metadata, TensorMeta, TensorMetas, first_use, codec_id)
@@ -252,6 +253,9 @@ def _decode_payload(payload: memoryview, major: int = FORMAT_VERSION[0]) -> Meta
     files = [str(f) for f in header["files"]]
     if major < REFERENCE_FORMAT_VERSION[0] and any(f.startswith("../") for f in files):
         raise CheckpointError(f"a file of another checkpoint is named in a version {major} header")
+    for f in files:
+        if f.startswith("../"):  # a delta's reference: '../<checkpoint>/data/<save id>/<file>', nothing else
+            check_reference(f, "this checkpoint")
     codecs = None
     if len(fields) > len(_SCHEMA_FIELDS):  # header position -> this raydcp's codec id (0: raw)
         names = [str(c) for c in header.get("codecs", [])]

@@ -211,3 +211,16 @@ def test_async_saves_are_deltas_of_this_processes_previous(tmp_path):
     out = blank()
     raydcp.load(out, tmp_path / "step-3")
     assert torch.equal(out["adapter"], s["adapter"]) and torch.equal(out["frozen"], s["frozen"])
+
+
+@pytest.mark.parametrize("bad", ["../a/../../etc/data/x.bin", "../data", "..//data/x.bin", "../a/./data/x.bin"])
+def test_hostile_references_are_refused_naming_the_file(tmp_path, bad):
+    from raydcp.metadata_format import encode_metadata
+    from raydcp.storage import CheckpointStorage
+
+    s = state()
+    raydcp.save(s, tmp_path / "a")
+    md = raydcp.read_metadata(tmp_path / "a")
+    CheckpointStorage(str(tmp_path / "a")).commit(encode_metadata(md.with_files(lambda n: bad)))
+    with pytest.raises(CheckpointDamagedError, match="invalid"):
+        raydcp.load(blank(), tmp_path / "a")
