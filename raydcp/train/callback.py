@@ -12,13 +12,15 @@ calls it on the controller process (not on the workers):
    throughput. An incomplete checkpoint raises a :class:`CheckpointError`
    (``strict=False``: only recorded and logged), which fails the run.
 2. ``after_exception`` (a worker raised or died): delete every checkpoint
-   directory of the run that raydcp.train.save created but did not commit (a save
-   cut short), and every committed one that Ray Train did not register and that is
-   not newer (by its step) than the latest registered one (it can never be resumed
-   from); keep a committed, unregistered one of a later step: a checkpoint the
-   survivors of a preemption committed while the preempted workers never reported,
-   which :func:`raydcp.train.restore` resumes from (:mod:`raydcp.train.latest`).
-   Check that the latest registered checkpoint is committed; append a record.
+   directory of the run that raydcp.train.save created, that Ray Train did not
+   register and that is not newer (by its step) than the latest registered one: a
+   save cut short, or committed but never reported by every rank, which can never be
+   resumed from. A newer one is left alone: the surviving workers of a preemption may
+   still be saving it (Ray Train keeps them running until the deadline), and once
+   committed it is the checkpoint :func:`raydcp.train.restore` resumes from
+   (:mod:`raydcp.train.latest`); if it never commits, the next attempt's ``restore``
+   removes it (no worker of this run runs then). Check that the latest registered
+   checkpoint is committed; append a record.
 
 A report without a checkpoint from a ``raydcp.train.save(memory=True)`` that kept its
 checkpoint in the cluster's memory only is recorded too (``tier="memory"``,
@@ -177,8 +179,8 @@ class RayDCPCallback(UserCallback):
             if (registered is None and ckpt.is_committed()) or (registered is not None and name in registered):
                 continue
             step = step_of_dir(name)
-            if step is not None and (floor is None or step > floor) and ckpt.is_committed():
-                continue  # committed by survivors that could not report: the next attempt resumes from it
+            if step is not None and (floor is None or step > floor):
+                continue  # maybe still being saved by survivors of a preemption (module doc, step 2)
             try:
                 ckpt.delete()
                 removed.append(name)

@@ -173,16 +173,18 @@ def _run_storage(tmp_path):
 
 
 def test_after_exception_removes_what_ray_train_did_not_register(tmp_path):
-    """...but for committed checkpoints newer than the latest registered one (committed by the
-    survivors of a preemption, which the next attempt resumes from)."""
+    """...and that is not newer than the latest registered one (the survivors of a preemption may
+    still be saving that one; the next attempt's restore resumes from it, or removes it if it never
+    committed)."""
     from types import SimpleNamespace
 
     storage = _run_storage(tmp_path)
     run = tmp_path / "run"
     for name in ("raydcp-step00000001-ffffffff", "raydcp-step00000002-aaaaaaaa", "raydcp-step00000004-bbbbbbbb"):
         raydcp.save({"x": torch.ones(2)}, run / name)  # committed
-    (run / "raydcp-step00000006-cccccccc" / "data").mkdir(parents=True)  # a save cut short
+    (run / "raydcp-step00000006-cccccccc" / "data").mkdir(parents=True)  # a save cut short, or not ended
     (run / "raydcp-step00000006-cccccccc" / "data" / "r0.bin").write_bytes(b"partial")
+    (run / "raydcp-step00000000-99999999" / "data").mkdir(parents=True)  # an old save cut short
     (run / "checkpoint_2026-01-01_00-00-00.000000").mkdir()  # not raydcp's: left alone
     snapshot = {"checkpoint_results": [{"checkpoint_dir_name": "raydcp-step00000002-aaaaaaaa", "metrics": {}}],
                 "latest_checkpoint_result": {"checkpoint_dir_name": "raydcp-step00000002-aaaaaaaa", "metrics": {}}}
@@ -192,17 +194,21 @@ def test_after_exception_removes_what_ray_train_did_not_register(tmp_path):
     ctx = SimpleNamespace(run_config=SimpleNamespace(storage_context=storage))
     cb.after_exception(ctx, {1: RuntimeError("rank 1 died\nmore")})
     rec = cb.records[-1]
-    assert rec["removed"] == ["raydcp-step00000001-ffffffff", "raydcp-step00000006-cccccccc"]
+    assert rec["removed"] == ["raydcp-step00000000-99999999", "raydcp-step00000001-ffffffff"]
     assert (rec["ranks"], rec["errors"], rec["latest"], rec["latest_committed"]) == (
         [1], {"1": "rank 1 died"}, "raydcp-step00000002-aaaaaaaa", True)
     assert sorted(p.name for p in run.iterdir() if p.is_dir()) == [
-        "checkpoint_2026-01-01_00-00-00.000000", "raydcp-step00000002-aaaaaaaa", "raydcp-step00000004-bbbbbbbb"]
+        "checkpoint_2026-01-01_00-00-00.000000", "raydcp-step00000002-aaaaaaaa", "raydcp-step00000004-bbbbbbbb",
+        "raydcp-step00000006-cccccccc"]
+    assert raydcp.train.checkpoint.remove_uncommitted(storage) == ["raydcp-step00000006-cccccccc"]  # restore's
     lines = (run / raydcp.train.RECORDS_NAME).read_text().splitlines()
     assert len(lines) == 1 and '"event": "exception"' in lines[0]
 
-    # Ray Train's list unreadable: only the directories that never committed are garbage
+    # Ray Train's list unreadable: nothing is known to be garbage (a save that never committed may
+    # still be running); the next attempt's restore removes what never committed
     (run / "raydcp-step00000008-dddddddd").mkdir()
     raydcp.save({"x": torch.ones(2)}, run / "raydcp-step00000010-eeeeeeee")
     (run / "checkpoint_manager_snapshot.json").write_text("{not json")
     cb.after_exception(ctx, {0: RuntimeError("again")})
-    assert cb.records[-1]["removed"] == ["raydcp-step00000008-dddddddd"]
+    assert cb.records[-1]["removed"] == []
+    assert raydcp.train.checkpoint.remove_uncommitted(storage) == ["raydcp-step00000008-dddddddd"]
