@@ -10,7 +10,7 @@ Two states, each saved as a run of checkpoints, step after step, on the same dis
 
 At every step the same state is saved twice, in turns (the order alternates): as a delta of the
 run's previous checkpoint (kept, under one root, as a training run keeps them) and as a full save
-(raydcp.save without a base, into one path saved over and over, its old data pruned by the commit);
+(raydcp.save without a base, into a new directory: two take turns, the older removed untimed first);
 torch DCP's save (dcp.save) of the same state follows, for the peer's figure. Every file is
 fsynced by the saves themselves. Reported, for checkpoints 2..N: the bytes each delta wrote (every
 file of its directory: data, digest files, metadata and commit log) over the bytes that changed;
@@ -97,8 +97,11 @@ def run_series(name: str, state: dict, trained: tuple[str, ...], steps: int, roo
         def delta():
             return raydcp.save(state, path, options=SaveOptions(base="previous"))
 
+        full_path = f"{root}/full-{step % 2}"
+        shutil.rmtree(full_path, ignore_errors=True)  # untimed: the full save writes a new directory, as the delta
+
         def full():
-            return raydcp.save(state, f"{root}/full")
+            return raydcp.save(state, full_path)
 
         order = (delta, full) if step % 2 else (full, delta)
         times = {}
@@ -119,7 +122,7 @@ def run_series(name: str, state: dict, trained: tuple[str, ...], steps: int, roo
         log(f"{name} step {step}: delta {times['delta']:.3f} s, full {times['full']:.3f} s, "
             f"delta wrote {dir_bytes(path) / MIB:.1f} MiB of {total / MIB:.0f} MiB ({ch / MIB:.1f} MiB changed)")
     held = dir_bytes(f"{root}/delta")
-    one_full = dir_bytes(f"{root}/full")
+    one_full = dir_bytes(f"{root}/full-{steps % 2}")
     return {"state_mib": total / MIB, "delta_s": median(deltas), "full_s": median(fulls),
             "dcp_s": median(dcps) if dcps else None, "written_over_changed": sum(written) / max(sum(changed), 1),
             "written_mib": sum(written) / MIB, "changed_mib": sum(changed) / MIB,
@@ -128,9 +131,10 @@ def run_series(name: str, state: dict, trained: tuple[str, ...], steps: int, roo
 
 
 def load_pair(state: dict, root: str, steps: int, repeats: int) -> dict:
-    last, full = f"{root}/delta/step-{steps}", f"{root}/full"
+    last, full = f"{root}/delta/step-{steps}", f"{root}/full-{steps % 2}"
     out = blank(state)
-    raydcp.load(out, full)  # untimed: the first load into fresh tensors pays their page faults
+    for warm in (full, last):  # untimed: fresh tensors' page faults, and every file read once (page cache)
+        raydcp.load(out, warm)
     td, tf = [], []
     for r in range(repeats):
         for which in ((last, full) if r % 2 == 0 else (full, last)):
