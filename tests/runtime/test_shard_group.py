@@ -181,3 +181,22 @@ def test_operations_run_in_the_clusters_one_host_and_leave_no_state_behind(ray_s
         sg.shutdown()
     ray_session.get(host.ready.remote())  # after the release, sent before it
     assert ray_session.get(host.owner_status.remote(sg.name)) is None
+
+def test_group_deltas_reshard_onto_another_world_size(ray_session, pool, src, full, tmp_path):
+    """A ShardGroup's delta saves (base="previous": the ShardGroup is the writer) write what changed
+    only, and a delta loads onto another world size in another layout, bit-exact."""
+    from raydcp import SaveOptions
+
+    from ._shards import bump_key
+
+    two, three = pool[2], pool[3]
+    two.load(src, layout="dim0")
+    two.save(str(tmp_path / "step-1"), options=SaveOptions(base="previous"))
+    two.apply(bump_key, "model.w")
+    md = two.save(str(tmp_path / "step-2"), options=SaveOptions(base="previous"))
+    assert set(md.references) == {"../step-1"}
+    assert md.owned_bytes == full["model.w"].nbytes  # only the trained tensor was written
+    w = full["model.w"].clone()
+    w.reshape(-1).view(torch.uint8).add_(1)
+    three.load(str(tmp_path / "step-2"), layout="dim1")
+    assert_holds(ray_session, three, {**full, "model.w": w}, "dim1")
