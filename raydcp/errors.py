@@ -89,7 +89,8 @@ class CheckpointNotFoundError(CheckpointError):
     ``reason`` says which, where it is known: ``"missing"`` (no such path), ``"file"`` (a file,
     not a directory), ``"checkpoints-below"`` (a directory of checkpoints; ``below`` lists their
     paths relative to ``path``), ``"uncommitted"`` (a save there has not committed),
-    ``"uncommitted-below"``, ``"other-format"`` (torch DCP, safetensors, torch.save) or ``"empty"``.
+    ``"uncommitted-below"``, ``"removed-base"`` (a removed checkpoint whose files delta checkpoints
+    still reference), ``"other-format"`` (torch DCP, safetensors, torch.save) or ``"empty"``.
     """
 
     def __init__(self, message: str, *, path: str | None = None, reason: str | None = None,

@@ -178,7 +178,8 @@ def list_checkpoints(root: str, opts: dict | None, depth: int | None = None) -> 
         row["pipeline_state"] = record.state if record is not None else None
         rows.append(row)
     return {"root": search.root, "depth": depth, "checkpoints": rows,
-            "uncommitted": [c.relpath for c in search.uncommitted], "incomplete": search.incomplete}
+            "uncommitted": [c.relpath for c in search.uncommitted], "incomplete": search.incomplete,
+            "bases": [c.relpath for c in search.bases]}
 
 
 def _owns(row: dict) -> str:
@@ -237,6 +238,11 @@ def run(args: argparse.Namespace) -> int:
         shown = ", ".join(pending[:_SHOWN_UNCOMMITTED]) + (
             f" and {len(pending) - _SHOWN_UNCOMMITTED} more" if len(pending) > _SHOWN_UNCOMMITTED else "")
         out.print(safe(f"not committed ({len(pending)}): {shown}"))
+    if found["bases"]:
+        out.print(safe(f"removed, files kept for delta checkpoints ({len(found['bases'])}): "
+                       + ", ".join(found["bases"][:_SHOWN_UNCOMMITTED])
+                       + (f" and {len(found['bases']) - _SHOWN_UNCOMMITTED} more"
+                          if len(found["bases"]) > _SHOWN_UNCOMMITTED else "")))
     if found["incomplete"]:
         out.print(safe(f"directories deeper than {args.depth} level{'s' if args.depth != 1 else ''} were not "
                        "searched (--depth)"))

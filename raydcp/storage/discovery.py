@@ -47,12 +47,15 @@ class FoundCheckpoint:
 class Search:
     """What :func:`find_checkpoints` found under ``root``: the committed checkpoints (oldest first,
     ties by path), the saves that have not committed (by path), and whether the search stopped
-    before the end (directories deeper than ``max_depth``, or more than it lists at most)."""
+    before the end (directories deeper than ``max_depth``, or more than it lists at most); also the
+    removed checkpoints kept for the files delta checkpoints reference (``bases``, by path)."""
 
     root: str
     checkpoints: tuple[FoundCheckpoint, ...]
     uncommitted: tuple[FoundCheckpoint, ...]
     incomplete: bool
+    # removed checkpoints whose files delta checkpoints still reference (raydcp.storage.references)
+    bases: tuple[FoundCheckpoint, ...] = ()
 
 
 def _entries(fs, path: str) -> dict[str, dict]:
@@ -71,7 +74,7 @@ def _stamp(fs, entry: dict) -> float:
 
 
 def _walk(fs, path: str, url: str, plain: bool, max_depth: int, max_dirs: int) -> Search:
-    committed, uncommitted = [], []
+    committed, uncommitted, bases = [], [], []
     queue = deque([(path, ".", 0)])
     listed, incomplete = 0, False
     while queue:
@@ -91,7 +94,8 @@ def _walk(fs, path: str, url: str, plain: bool, max_depth: int, max_dirs: int) -
             continue
         log = entries.get(LOG_DIR)
         if log is not None and log.get("type") == "directory":
-            uncommitted.append(FoundCheckpoint(here_url, rel, None))
+            found = FoundCheckpoint(here_url, rel, None)
+            (bases if _retired_base(fs, f"{here.rstrip('/')}/{LOG_DIR}") else uncommitted).append(found)
             continue
         subdirs = sorted(n for n, e in entries.items() if e.get("type") == "directory")
         if subdirs and depth >= max_depth:
@@ -101,7 +105,17 @@ def _walk(fs, path: str, url: str, plain: bool, max_depth: int, max_dirs: int) -
             queue.append((f"{here.rstrip('/')}/{name}", name if rel == "." else f"{rel}/{name}", depth + 1))
     committed.sort(key=lambda c: (c.committed_at, c.relpath))
     uncommitted.sort(key=lambda c: c.relpath)
-    return Search(url, tuple(committed), tuple(uncommitted), incomplete)
+    bases.sort(key=lambda c: c.relpath)
+    return Search(url, tuple(committed), tuple(uncommitted), incomplete, tuple(bases))
+
+
+def _retired_base(fs, log_path: str) -> bool:
+    """A removed checkpoint that delta checkpoints still reference: pins in its log, no save begun."""
+    try:
+        names = _entries(fs, log_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return "refs" in names and not any(n.startswith("begun-") for n in names)
 
 
 def find_checkpoints(root: str | os.PathLike, storage_options: dict | None = None, *,
@@ -163,6 +177,10 @@ def not_found_error(fs, path: str, url: str) -> CheckpointNotFoundError:
             return _not_a_directory(fs, path, url, info)
         entries = _entries(fs, path)
         if entries.get(LOG_DIR, {}).get("type") == "directory":
+            if _retired_base(fs, f"{path.rstrip('/')}/{LOG_DIR}"):
+                return _error(url, "removed-base",
+                              "it was removed (by retention or by hand); files of it stay only because delta "
+                              "checkpoints reference them: load one of those, or a checkpoint beside it")
             return _uncommitted(url)
         search = _walk(fs, path, url, False, DEFAULT_DEPTH, 1_000)
         if search.checkpoints:

@@ -54,3 +54,16 @@ def test_verify_diff_convert_and_reshard_read_the_references(delta, tmp_path, ca
     out = {"frozen": torch.zeros(64, 32), "adapter": torch.zeros(4, 4), "step": 0}
     raydcp.load(out, tmp_path / "resharded")
     assert torch.equal(out["frozen"], s["frozen"]) and torch.equal(out["adapter"], s["adapter"]) and out["step"] == 2
+
+
+def test_ls_and_load_name_a_removed_base_kept_for_its_references(delta, capsys):
+    from raydcp.storage import apply_retention
+
+    root, s = delta
+    apply_retention(root, 1)
+    assert main(["ls", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "removed, files kept for delta checkpoints (1): step-1" in text and "not committed" not in text
+    with pytest.raises(raydcp.CheckpointNotFoundError, match="delta checkpoints reference them") as err:
+        raydcp.load({"frozen": torch.zeros(64, 32)}, root / "step-1")
+    assert err.value.reason == "removed-base"
