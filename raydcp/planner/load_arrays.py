@@ -84,10 +84,10 @@ def _reused_plans(layout, sources: StoredSources, local_plans, values) -> list[R
     counts = np.diff(cols.rows)
     cstart = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=cstart[1:])
-    width = (layout.reads.shape[1] - 7) // 2
+    width = (layout.reads[0].shape[1] - 7) // 2
     *_, files, s_file, s_boff, s_crc, s_bstart, _, block_arrays = columns_arrays(cols, counts, cstart, width)
-    return stored_plans(layout, layout.reads.copy(), s_file, s_boff, s_crc, s_bstart, block_arrays, files,
-                        local_plans, values)
+    return stored_plans(layout, [b.copy() for b in layout.reads], s_file, s_boff, s_crc, s_bstart, block_arrays,
+                        files, local_plans, values)
 
 
 class _Arrays(SimpleNamespace):
@@ -341,12 +341,17 @@ def _needed_parts(a: _Arrays) -> None:
         p_bytes = isz[p_key]
         p_bytes *= p_numel
 
-        def boxes(sel):
+        def boxes(sel, out=None):
             rows = p_q if sel is None else p_q[sel]
-            lo, sz = take_rows(q_off, rows), take_rows(q_size, rows)
-            at = np.arange(len(rows)) * width + (p_d if sel is None else p_d[sel])
-            lo.reshape(-1)[at] = lo_d if sel is None else lo_d[sel]
-            sz.reshape(-1)[at] = sz_d if sel is None else sz_d[sel]
+            if out is None:
+                lo, sz = take_rows(q_off, rows), take_rows(q_size, rows)
+            else:  # into the caller's arrays (columns of a matrix, say)
+                lo, sz = out
+                lo[:], sz[:] = q_off[rows], q_size[rows]
+            at = np.arange(len(rows))
+            d = p_d if sel is None else p_d[sel]
+            lo[at, d] = lo_d if sel is None else lo_d[sel]
+            sz[at, d] = sz_d if sel is None else sz_d[sel]
             return lo, sz
     else:
         qo, co = take_rows(q_off, p_q), take_rows(s_off, p_c)
@@ -362,8 +367,12 @@ def _needed_parts(a: _Arrays) -> None:
         line_part = None
         p_bytes = p_numel * isz[s_key[p_c]]
 
-        def boxes(sel):
-            return (box_lo, box_sz) if sel is None else (take_rows(box_lo, sel), take_rows(box_sz, sel))
+        def boxes(sel, out=None):
+            lo, sz = (box_lo, box_sz) if sel is None else (take_rows(box_lo, sel), take_rows(box_sz, sel))
+            if out is not None:
+                out[0][:], out[1][:] = lo, sz
+                return out
+            return lo, sz
     covered = np.bincount(p_q, weights=p_numel, minlength=nq) if len(p_q) else np.zeros(nq)
     gaps = known & (covered != q_numel)
     if gaps.any():

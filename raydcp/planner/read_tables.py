@@ -26,81 +26,106 @@ def read_tables(a) -> list[RankLoadPlan]:
                         a.local_plans, a.values)
 
 
+# the matrices are held in blocks of whole ranks' rows of about this size: memory the allocator
+# keeps and hands to the next plan (a larger array is mapped afresh, and every page of it faults)
+BLOCK_BYTES = 16 << 20
+
+
 class ReadLayout:
     """The part of a load plan over stored chunks that the chunks' places and the requests decide:
     the matrices of :meth:`ReadTable.of_rows` but for the columns of files, byte offsets and
-    checksums (``reads``; ``dels`` whole), which chunk each read is (``rchunk``), the reads' and
-    deliveries' bounds per rank, the block checksums' bounds per read, and the per-rank counts."""
+    checksums (``reads``; ``dels`` whole), in blocks of the ranks ``cuts[k]:cuts[k + 1]``; which
+    chunk each read is (``rchunk``), the reads' and deliveries' bounds per rank, the block
+    checksums' bounds per read, and the per-rank counts."""
 
-    __slots__ = ("reads", "dels", "rchunk", "r_of", "rb", "pb", "bounds", "joint", "keys", "dtypes", "ndims",
-                 "incoming", "bytes_read", "needed")
+    __slots__ = ("reads", "dels", "cuts", "rchunk", "r_of", "rb", "pb", "bounds", "joint", "keys", "dtypes",
+                 "ndims", "incoming", "bytes_read", "needed")
 
 
 def read_layout(a) -> ReadLayout:
-    boxes, nreads, p_q, p_rank, pairs, pb, rb = a.boxes, a.nreads, a.p_q, a.p_rank, a.pairs, a.pb, a.rb
+    boxes, p_q, p_rank, pairs, pb, rb = a.boxes, a.p_q, a.p_rank, a.pairs, a.pb, a.rb
     rchunk, rjoint, s_blen = a.rchunk, a.rjoint, a.s_blen
     width = a.s_off.shape[1]
     own_boxes = not a.whole
     nr, nd = packed_rows(width, own_boxes)
     r_of = np.repeat(np.arange(a.world), np.diff(rb))  # each read's rank
-    reads = np.empty((nreads, nr), np.int64)
-    if a.whole and pairs is None and a.p_key is not None:  # read i is pair i, its part the whole chunk:
-        off, size = boxes(None)  # key and box from the requests' columns, in order
-        reads[:, 0], reads[:, 7:7 + width], reads[:, 7 + width:] = a.p_key, off, size
-        del off, size
-    else:
-        np.take(a.s_key, rchunk, out=reads[:, 0])
-        np.take(a.s_off, rchunk, axis=0, out=reads[:, 7:7 + width])
-        np.take(a.s_size, rchunk, axis=0, out=reads[:, 7 + width:])
-    np.take(a.s_nbytes, rchunk, out=reads[:, 3])
-    np.subtract(pb[:-1], pb[rb[:-1]][r_of], out=reads[:, 5])  # counted from the rank's first
-    bounds = np.zeros(nreads + 1, np.int64)
+    bounds = np.zeros(a.nreads + 1, np.int64)
     if s_blen.any():  # some chunk has block checksums (none has where every chunk is small)
         np.cumsum(s_blen[rchunk], out=bounds[1:])
-    np.subtract(bounds[:-1], bounds[rb[:-1]][r_of], out=reads[:, 6])
-    dels = np.empty((int(pb[-1]), nd), np.int64)
-    if pairs is None:
-        dels[:, 0], dels[:, 1] = p_rank, a.q_item[p_q]
-    else:
-        dels[:, 0], dels[:, 1] = p_rank[pairs], a.q_item[p_q[pairs]]
-    if own_boxes:
-        dels[:, 2:2 + width], dels[:, 2 + width:] = boxes(pairs)
+    cuts = _rank_cuts(rb, nr)
+    reads_blocks, dels_blocks = [], []
+    for r0, r1 in zip(cuts[:-1], cuts[1:]):
+        lo, hi = int(rb[r0]), int(rb[r1])
+        reads = np.empty((hi - lo, nr), np.int64)
+        rows = rchunk[lo:hi]
+        # gathers assigned into the block's columns (np.take into a strided out is buffered: slower)
+        reads[:, 0] = a.s_key[rows]
+        reads[:, 7:7 + width] = a.s_off[rows]
+        reads[:, 7 + width:] = a.s_size[rows]
+        reads[:, 3] = a.s_nbytes[rows]
+        mine = r_of[lo:hi]
+        np.subtract(pb[lo:hi], pb[rb[:-1]][mine], out=reads[:, 5])  # counted from the rank's first
+        np.subtract(bounds[lo:hi], bounds[rb[:-1]][mine], out=reads[:, 6])
+        d0, d1 = int(pb[lo]), int(pb[hi])
+        dels = np.empty((d1 - d0, nd), np.int64)
+        sel = np.arange(d0, d1) if pairs is None else pairs[d0:d1]
+        dels[:, 0] = p_rank[sel]
+        dels[:, 1] = a.q_item[p_q[sel]]
+        if own_boxes:
+            boxes(sel, out=(dels[:, 2:2 + width], dels[:, 2 + width:]))
+        reads_blocks.append(reads)
+        dels_blocks.append(dels)
     out = ReadLayout()
-    out.reads, out.dels, out.rchunk, out.r_of, out.rb, out.pb, out.bounds = reads, dels, rchunk, r_of, rb, pb, bounds
+    out.reads, out.dels, out.cuts = reads_blocks, dels_blocks, cuts
+    out.rchunk, out.r_of, out.rb, out.pb, out.bounds = rchunk, r_of, rb, pb, bounds
     out.joint = rjoint if len(a.sp_heads) and rjoint.any() else None
     out.keys, out.dtypes, out.ndims = PackedNames.of(a.keys), PackedNames.of(a.dtypes), tuple(a.nd_key.tolist())
     out.incoming, out.bytes_read, out.needed = a.incoming.tolist(), a.bytes_read.tolist(), a.needed.tolist()
     return out
 
 
-def stored_plans(layout: ReadLayout, reads: np.ndarray, s_file, s_boff, s_crc, s_bstart, block_arrays, files,
+def _rank_cuts(rb: np.ndarray, ncols: int) -> list[int]:
+    """Ranks at which a new block of rows starts (and the number of ranks last): whole ranks'
+    rows, about BLOCK_BYTES of them per block (a rank with more rows has a block of its own)."""
+    per = max(1, BLOCK_BYTES // (8 * ncols))
+    block = rb[:-1] // per
+    return [0, *(np.flatnonzero(block[1:] != block[:-1]) + 1).tolist(), len(rb) - 1]
+
+
+def stored_plans(layout: ReadLayout, reads: list, s_file, s_boff, s_crc, s_bstart, block_arrays, files,
                  local_plans, values) -> list[RankLoadPlan]:
     """Every rank's plan from ``layout`` and the stored chunks' files, byte offsets and checksums
-    (written into ``reads``, ``layout.reads`` or a copy of it) and plain ``values``."""
-    rchunk, rb, pb, bounds = layout.rchunk, layout.rb, layout.pb, layout.bounds
-    reads[:, 1], rank_files = _rank_files(np.take(s_file, rchunk), layout.r_of, rb, files)
-    np.take(s_boff, rchunk, out=reads[:, 2])
-    np.take(s_crc, rchunk, out=reads[:, 4])
+    (written into the blocks ``reads``: ``layout.reads`` or copies of them) and plain ``values``."""
+    rchunk, rb, pb, bounds, cuts = layout.rchunk, layout.rb, layout.pb, layout.bounds, layout.cuts
+    local, rank_files = _rank_files(np.take(s_file, rchunk), layout.r_of, rb, files)
+    for block, r0, r1 in zip(reads, cuts[:-1], cuts[1:]):
+        lo, hi = int(rb[r0]), int(rb[r1])
+        rows = rchunk[lo:hi]
+        block[:, 1], block[:, 2], block[:, 4] = local[lo:hi], s_boff[rows], s_crc[rows]
+    del local
     values_all = np.zeros(0, np.uint32)
     total = int(bounds[-1])
     if total:
         bl = np.diff(bounds)
         everything = np.concatenate(block_arrays).astype(np.uint32, copy=False)
         values_all = everything[np.repeat(s_bstart[rchunk] - bounds[:-1], bl) + np.arange(total)]
-    dels, joint, keys, dtypes, ndims = layout.dels, layout.joint, layout.keys, layout.dtypes, layout.ndims
+    joint, keys, dtypes, ndims = layout.joint, layout.keys, layout.dtypes, layout.ndims
     rbl = rb.tolist()
     pbl = pb[rb].tolist()  # each rank's first and last delivery
     bbl = bounds[rb].tolist()  # and block checksum
     incoming, bytes_read, needed = layout.incoming, layout.bytes_read, layout.needed
     plans = []
-    for r, lp in enumerate(local_plans):
-        lo, hi = rbl[r], rbl[r + 1]
-        blocks = values_all[bbl[r]:bbl[r + 1]] if bbl[r + 1] > bbl[r] else None
-        table = ReadTable.of_rows(reads[lo:hi], dels[pbl[r]:pbl[r + 1]], blocks,
-                                  None if joint is None else joint[lo:hi], keys, dtypes, ndims, rank_files[r])
-        plans.append(RankLoadPlan(rank=lp.rank, reads=table, incoming=incoming[r],
-                                  values={k: values[k] for k in lp.values if k in values} if lp.values else {},
-                                  bytes_read=bytes_read[r], bytes_needed=needed[r]))
+    for rows, dels, r0, r1 in zip(reads, layout.dels, cuts[:-1], cuts[1:]):
+        at, dat = rbl[r0], pbl[r0]  # the block's first read and delivery
+        for r in range(r0, r1):
+            lp = local_plans[r]
+            lo, hi = rbl[r], rbl[r + 1]
+            blocks = values_all[bbl[r]:bbl[r + 1]] if bbl[r + 1] > bbl[r] else None
+            table = ReadTable.of_rows(rows[lo - at:hi - at], dels[pbl[r] - dat:pbl[r + 1] - dat], blocks,
+                                      None if joint is None else joint[lo:hi], keys, dtypes, ndims, rank_files[r])
+            plans.append(RankLoadPlan(rank=lp.rank, reads=table, incoming=incoming[r],
+                                      values={k: values[k] for k in lp.values if k in values} if lp.values else {},
+                                      bytes_read=bytes_read[r], bytes_needed=needed[r]))
     return plans
 
 

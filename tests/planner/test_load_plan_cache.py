@@ -82,3 +82,18 @@ def test_other_requests_or_places_are_planned_anew(change):
     got = _plan(md, loads, cache)
     assert (cache.load_hits, cache.load_misses) == (0, 2)
     _same(got, _plan(md, loads))
+
+
+def test_plans_held_in_many_blocks_read_as_in_one(monkeypatch):
+    from raydcp.planner import read_tables
+
+    md, loads = _checkpoint("s0", 100), _loads(5)
+    whole = _plan(md, loads)
+    monkeypatch.setattr(read_tables, "BLOCK_BYTES", 200)  # a block every rank or two
+    cache = P.PlanCache()
+    for m in (md, _checkpoint("s1", 300)):
+        got = _plan(m, loads, cache)
+        assert len(cache._load[2].reads) >= 3
+        _same(got, _plan(m, loads) if m is not md else whole)
+        assert [decode(encode(p)).reads._all() for p in got] == [tuple(p.reads) for p in got]  # as they travel
+    assert cache.load_hits == 1
