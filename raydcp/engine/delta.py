@@ -38,7 +38,7 @@ import xxhash
 
 from ..codec import checksum
 from ..errors import CheckpointDamagedError, CheckpointError, CheckpointNotFoundError
-from ..metadata import COMPRESSIONS, Metadata
+from ..metadata import COMPRESSIONS, ChunkTable, Metadata
 from ..metadata_format import decode_metadata
 from ..planner.save import ALIGN
 from ..storage import CheckpointStorage
@@ -114,48 +114,69 @@ class _Chunk:
 
 class DeltaBase:
     """A committed base checkpoint as one rank of a delta save sees it: its chunks by tensor and
-    box, and (read when first needed) the digests its writers recorded."""
+    box, and (read when first needed, this rank's first) the digests its writers recorded."""
 
     def __init__(self, storage: CheckpointStorage, md: Metadata, writer: str):
         self.storage, self.metadata, self.writer = storage, md, writer
-        self._index: dict[tuple, _Chunk] | None = None
         self._digests: dict[tuple[str, int], bytes] | None = None
+        self._names: list[str] | None = None  # the base's digest files
+        self._read_all = False
 
     @property
     def url(self) -> str:
         return self.storage.url
 
-    def index(self) -> dict[tuple, _Chunk]:
-        if self._index is None:
-            out: dict[tuple, _Chunk] = {}
-            for key, tm in self.metadata.tensors.items():
-                for c in tm.chunks:
-                    codec = 0 if c.compression is None else COMPRESSIONS.index(c.compression) + 1
-                    out[(key, tuple(c.offsets), tuple(c.sizes))] = _Chunk(
-                        c.file, c.byte_offset, c.nbytes, c.checksum, tuple(c.block_checksums), codec, c.stored_length)
-            self._index = out
-        return self._index
+    def chunk(self, key: str, offsets: tuple, sizes: tuple) -> _Chunk | None:
+        """The base's chunk of tensor ``key`` with exactly this box, or None (looked up in the
+        tensor's columns: no object per chunk of the base)."""
+        tm = self.metadata.tensors.get(key)
+        if tm is None:
+            return None
+        chunks = tm.chunks
+        if isinstance(chunks, ChunkTable):
+            if not len(chunks) or chunks.offsets.shape[1] != len(offsets):
+                return None
+            hit = np.flatnonzero((chunks.offsets == np.asarray(offsets, np.int64)).all(1)
+                                 & (chunks.sizes == np.asarray(sizes, np.int64)).all(1))
+            if not len(hit):
+                return None
+            c = chunks[int(hit[0])]
+        else:
+            c = next((c for c in chunks if tuple(c.offsets) == offsets and tuple(c.sizes) == sizes), None)
+            if c is None:
+                return None
+        codec = 0 if c.compression is None else COMPRESSIONS.index(c.compression) + 1
+        return _Chunk(c.file, c.byte_offset, c.nbytes, c.checksum, tuple(c.block_checksums), codec, c.stored_length)
 
-    def digests(self) -> dict[tuple[str, int], bytes]:
-        """``(file path, byte offset) -> digest`` of the base's chunks (paths resolved, so the
-        digests recorded by the save that wrote a file and by later deltas agree)."""
+    def digest(self, path: str, byte_offset: int, rank: int) -> bytes | None:
+        """The digest the base's writers recorded for the chunk at ``byte_offset`` of file ``path``
+        (resolved, so the digests recorded by the save that wrote a file and by later deltas agree),
+        or None. Rank ``rank``'s own digest files are read first (a rank of an unchanged layout finds
+        all its pieces there); the other ranks' only on a miss."""
         if self._digests is None:
-            sid = self.metadata.save_id.split("/", 1)[0]
-            out: dict[tuple[str, int], bytes] = {}
-            for name in self.storage.list_files(f"data/{sid}/"):
-                if not name.endswith(".xxh3"):
-                    continue
-                try:
-                    head, rows, digs = _decode_digests(self.storage.read_file(name), self.storage.file_url(name))
-                except CheckpointError as exc:  # its pieces are written again, never guessed
-                    _log.warning("%s; the pieces it covers are written in full by this save", exc)
-                    continue
-                files = [refs.resolve(self.storage.path, str(f)) for f in head.get("files", [])]
-                for (f, off), d in zip(rows.tolist(), digs):
-                    if 0 <= f < len(files):
-                        out[(files[f], off)] = d.tobytes()
-            self._digests = out
-        return self._digests
+            self._digests, self._read_all = {}, False
+            self._load(lambda n: n.rsplit("/", 1)[-1].startswith(f"r{rank:05d}-"))
+        got = self._digests.get((path, byte_offset))
+        if got is None and not self._read_all:
+            self._read_all = True
+            self._load(lambda n: not n.rsplit("/", 1)[-1].startswith(f"r{rank:05d}-"))
+            got = self._digests.get((path, byte_offset))
+        return got
+
+    def _load(self, which: Callable[[str], bool]) -> None:
+        sid = self.metadata.save_id.split("/", 1)[0]
+        if self._names is None:
+            self._names = [n for n in self.storage.list_files(f"data/{sid}/") if n.endswith(".xxh3")]
+        for name in filter(which, self._names):
+            try:
+                head, rows, digs = _decode_digests(self.storage.read_file(name), self.storage.file_url(name))
+            except CheckpointError as exc:  # its pieces are written again, never guessed
+                _log.warning("%s; the pieces it covers are written in full by this save", exc)
+                continue
+            files = [refs.resolve(self.storage.path, str(f)) for f in head.get("files", [])]
+            for (f, off), d in zip(rows.tolist(), digs):
+                if 0 <= f < len(files):
+                    self._digests[(files[f], off)] = d.tobytes()
 
 
 def _piece_digest(source: Any, nbytes: int, read: Callable | None, step: int) -> bytes:
@@ -284,15 +305,12 @@ def split_reused(storage: CheckpointStorage, base: DeltaBase | None, rank: int, 
         digests = dict(zip(order, pool.map(digest_of, order)))
     reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file as named from the new checkpoint
     if base is not None:
-        index, known = base.index(), None
         for i in order:
             it = items[i]
-            c = index.get((it.key, tuple(it.offsets), tuple(it.sizes)))
+            c = base.chunk(it.key, tuple(it.offsets), tuple(it.sizes))
             if c is None or c.nbytes != it.nbytes:
                 continue
-            if known is None:
-                known = base.digests()
-            if known.get((refs.resolve(base.storage.path, c.file), c.byte_offset)) == digests[i]:
+            if base.digest(refs.resolve(base.storage.path, c.file), c.byte_offset, rank) == digests[i]:
                 reused[i] = (c, refs.reference_to(storage.path, base.storage.path, c.file))
         reused = _pinned(storage, reused, rank, save_id)
     kept = []
