@@ -30,7 +30,10 @@ the coordinator's peak memory: the most its Python and numpy allocations held at
 what the ranks' messages took before it started.
 
 The checkpoint is a directory under the system's temporary directory (removed afterwards): the
-metadata really is written, fsynced and read back.
+metadata really is written, fsynced and read back. Every phase runs with the garbage collector
+off, as on the coordinator: the host decodes the ranks' values and encodes the replies inside the
+reduction (``runtime.coordinator_host._OnWire``), which ``raydcp.transport.run_reduce`` runs with
+the collector off, like the reductions themselves.
 """
 from __future__ import annotations
 
@@ -120,7 +123,7 @@ def _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, l
         log(f"    {name:16s} {s:7.3f} s  (gc {g:.3f} s){note}")
         return out
 
-    values = timed("receive_plans", lambda: [decode(w) for w in wires])
+    values = timed("receive_plans", lambda: _without_gc(lambda: [decode(w) for w in wires]))
     del wires
     reduce_fn = Reusing(reduce_plan, P.SavePlanOptions(), destination=(path, None))
     cache = P.PlanCache()  # the group's, as the coordinator keeps it
@@ -132,24 +135,24 @@ def _coordinator(path, storage, ranks, load_ranks, local, wires, lwires, step, l
             raise CheckpointError("the second plan of one layout was not the cached one")
         del again
     del values
-    timed("reply_plans", lambda: [encode(r) for r in replies])
+    timed("reply_plans", lambda: _without_gc(lambda: [encode(r) for r in replies]))
     gc.disable()  # the ranks' work: write (not timed), return the records
     rwires = [encode((rank_record(local[r], rp.files, r), header)) for r, (rp, header) in enumerate(replies)]
     del local, replies
     gc.enable()
-    records = timed("receive_records", lambda: [decode(w) for w in rwires])
+    records = timed("receive_records", lambda: _without_gc(lambda: [decode(w) for w in rwires]))
     del rwires
     md = timed("commit", lambda: _without_gc(lambda: commit_metadata(records)))
     del records
     timed("md_write", lambda: _without_gc(lambda: commit_checkpoint(storage, md)))
     res["md_bytes"] = storage.fs.size(f"{storage.path}/{METADATA_NAME}")
-    timed("reply_commit", lambda: encode(md))  # one Wire for every rank (the host encodes it once)
+    timed("reply_commit", lambda: _without_gc(lambda: encode(md)))  # one Wire for every rank (the host encodes it once)
     del md
     md2 = timed("read", lambda: _without_gc(lambda: read_metadata(path)))
-    requests = timed("receive_loads", lambda: [decode(w) for w in lwires])
+    requests = timed("receive_loads", lambda: _without_gc(lambda: [decode(w) for w in lwires]))
     del lwires
     plans = timed("load_plan", lambda: _without_gc(lambda: _plan_loads(md2, requests)))
-    timed("reply_loads", lambda: [encode(p) for p in plans])
+    timed("reply_loads", lambda: _without_gc(lambda: [encode(p) for p in plans]))
     if memory:
         return res
     chunks = len(md2.tensors.columns.nbytes)
