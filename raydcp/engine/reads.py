@@ -146,7 +146,9 @@ class FileChunkReader(ChunkReader):
     ``io`` (:class:`~raydcp.options.IOOptions`) sizes the reads: whole chunks from
     ``io.read_pool_min`` bytes on are read and verified in ``io.read_threads`` threads,
     ``io.read_task_bytes`` per task (whole checksum blocks), overlapping reads with checks;
-    smaller chunks of one file are read in batches of up to ``io.read_batch_bytes``.
+    smaller chunks of one file are read in batches of up to ``io.read_batch_bytes``. Where each
+    request is a round trip to a server (``storage.round_trip_reads``: S3 and the like), chunks
+    under ``io.read_task_bytes`` are batched too: touching ones come in one range request.
 
     The pieces ``compressed`` names (:class:`~raydcp.engine.compressed.CompressedPieces`) are
     each read whole, verified and decompressed (:func:`~raydcp.engine.compressed.read_compressed`),
@@ -174,6 +176,12 @@ class FileChunkReader(ChunkReader):
             if replaced is None:
                 raise
             raise replaced from None
+
+    def _pool_min(self) -> int:
+        """The size from which a whole chunk is read by a task of its own (see the class doc)."""
+        if getattr(self.storage, "round_trip_reads", False):
+            return max(self.io.read_pool_min, self.io.read_task_bytes)
+        return self.io.read_pool_min
 
     def _replaced(self, exc: CheckpointDamagedError) -> CheckpointReplacedError | None:
         """The error to raise instead of ``exc`` when the checkpoint was replaced while being read."""
@@ -206,7 +214,7 @@ class FileChunkReader(ChunkReader):
         per chunk. Compressed pieces are read and decompressed in the same pool, one task each.
         """
         io = self.io
-        sorted_reads = _columnar_reads(reads, out, io.read_pool_min, self.compressed) or self._sort_reads(reads, out)
+        sorted_reads = _columnar_reads(reads, out, self._pool_min(), self.compressed) or self._sort_reads(reads, out)
         small, large, rest, resolve = sorted_reads
         packed: list[ChunkRead] = []
         if self.compressed is not None:
@@ -257,7 +265,7 @@ class FileChunkReader(ChunkReader):
         small: dict[str, list[tuple]] = {}
         large: list[tuple[Any, torch.Tensor]] = []
         rest: list[ChunkRead] = []
-        pool_min = self.io.read_pool_min
+        pool_min = self._pool_min()
         for cr in reads:
             ch = cr.source
             nbytes = ch.nbytes

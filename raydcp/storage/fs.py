@@ -97,6 +97,14 @@ class CheckpointStorage:
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.url!r})"
 
+    @property
+    def round_trip_reads(self) -> bool:
+        """Whether each read request is a round trip to a server (object stores, remote
+        filesystems), so that touching pieces are best read in one request each, not one per
+        piece: not for local files, nor for a filesystem that fills buffers itself (the memory
+        and node-local tiers, ``read_into_many``)."""
+        return not self._local and getattr(self.fs, "read_into_many", None) is None
+
     def __reduce__(self):
         return (type(self), (self.url, self.storage_options))
 
