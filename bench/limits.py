@@ -404,13 +404,83 @@ def record_async(times: dict, name: str, per_rank: list[dict]) -> None:
     times[f"async {name} memcpy"] = [max(g["memcpy"][i] for g in per_rank) for i in range(len(per_rank[0]["memcpy"]))]
 
 
+def run_s3(args, times: dict, info: dict) -> None:
+    """Goal 5: raydcp's save and load of --s3-mib MiB (one process) to S3 served by moto on loopback,
+    against boto3's transfer manager moving the same bytes (one object, from and into memory) with
+    raydcp's concurrency and part sizes: the save writes its one data file through s3fs (parts of
+    s3fs's block size, one at a time), the load reads it in ``read_threads`` ranges of
+    ``read_task_bytes`` at once."""
+    import io
+
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+    from pipeline import BUCKET, start_moto
+
+    import raydcp
+    from raydcp.options import IOOptions
+
+    spec = {f"s3.{i}": (max(1, args.s3_mib * MIB // 64 // 4 // 1024), 1024) for i in range(64)}
+    state = {k: values(i, shape, 0, shape[0]) for i, (k, shape) in enumerate(spec.items())}
+    blob = np.concatenate([t.reshape(-1).view(torch.uint8).numpy() for t in state.values()])
+    info["s3_bytes"] = int(blob.nbytes)
+    moto, opts = start_moto()
+    try:
+        import s3fs
+
+        client = boto3.client("s3", endpoint_url=opts["client_kwargs"]["endpoint_url"], region_name="us-east-1",
+                              aws_access_key_id=opts["key"], aws_secret_access_key=opts["secret"])
+        iod = IOOptions()
+        part = s3fs.S3FileSystem.default_block_size
+        put_cfg = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=1,
+                                 use_threads=False)
+        get_cfg = TransferConfig(multipart_threshold=iod.read_task_bytes, multipart_chunksize=iod.read_task_bytes,
+                                 max_concurrency=iod.read_threads)
+        out = {k: torch.empty_like(v) for k, v in state.items()}
+        sink = np.empty_like(blob)
+
+        def run(lib: str, op: str, i: int) -> float:
+            t0 = time.perf_counter()
+            if lib == "raydcp" and op == "save":
+                raydcp.save(state, f"s3://{BUCKET}/raydcp-{i}", storage_options=opts)
+            elif lib == "raydcp":
+                for t in out.values():
+                    t.fill_(float("nan"))
+                t0 = time.perf_counter()
+                raydcp.load(out, f"s3://{BUCKET}/raydcp-{i}", storage_options=opts)
+            elif op == "save":
+                client.upload_fileobj(io.BytesIO(memoryview(blob)), BUCKET, f"boto3-{i}", Config=put_cfg)
+            else:
+                buf = io.BytesIO()
+                client.download_fileobj(BUCKET, f"boto3-{i}", buf, Config=get_cfg)
+                np.copyto(sink, np.frombuffer(buf.getbuffer(), np.uint8))
+            t = time.perf_counter() - t0
+            if op == "load" and lib == "raydcp" and not all(torch.equal(out[k], v) for k, v in state.items()):
+                raise AssertionError("s3: raydcp's load differs from the saved values")
+            if op == "load" and lib == "boto3" and not np.array_equal(sink, blob):
+                raise AssertionError("s3: boto3's download differs from the uploaded bytes")
+            return t
+
+        for rep in range(args.repeats + 1):  # the first: warm-up (connections, imports)
+            for op in ("save", "load"):
+                for lib in alternate(rep, ["raydcp", "boto3"]):
+                    t = run(lib, op, rep)
+                    if rep:
+                        times.setdefault(f"s3 {op} {lib}", []).append(t)
+            if rep:
+                log(f"  s3 repeat {rep}: " + "  ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()
+                                                       if k.startswith("s3")))
+    finally:
+        moto.terminate()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="size of the state, all ranks together (64 tensors)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", nargs="+", choices=["restore", "tmpfs", "async", "reshard"],
-                    default=["restore", "tmpfs", "async", "reshard"])
+    ap.add_argument("--only", nargs="+", choices=["restore", "tmpfs", "async", "reshard", "s3"],
+                    default=["restore", "tmpfs", "async", "reshard", "s3"])
     ap.add_argument("--profile", action="store_true", help="profile one raymem restore per world size")
+    ap.add_argument("--s3-mib", type=int, default=64, help="size of the state of the S3 goal (one process)")
     args = ap.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -438,6 +508,8 @@ def main() -> None:
             run_reshard(args, ranks, specs, times, info)
         if "async" in args.only:
             run_async(args, specs, times)
+        if "s3" in args.only:
+            run_s3(args, times, info)
     finally:
         if ranks is not None:
             ranks.close()
@@ -472,6 +544,13 @@ def report(args, info: dict, loads: LoadRange, size: int, times: dict) -> None:
         rows.append([f"ShardGroup.reshard 4->6 ({moved / MIB:.0f} MiB move)", r, lim, r / lim, "<= 2.5",
                      "met" if ok else "MISSED"])
         goals["reshard 4->6"] = ok
+    for op in ("save", "load"):
+        r, lim = med.get(f"s3 {op} raydcp"), med.get(f"s3 {op} boto3")
+        if r is not None:
+            ok = lim / r >= 0.9
+            rows.append([f"S3 (moto) {op}, {info['s3_bytes'] / MIB:.0f} MiB, vs boto3", r, lim, r / lim, "<= 1.11",
+                         "met" if ok else "MISSED"])
+            goals[f"s3 {op}"] = ok
     for name in ("local", "ray", "ray prepared"):
         steady, mem = med.get(f"async {name} steady"), med.get(f"async {name} memcpy")
         if steady is None:
