@@ -107,7 +107,8 @@ class IOOptions:
     ``write_bytes`` at a time; ``write_threads`` files are written at once. Reads: chunks from
     ``read_pool_min`` bytes on are read and verified in ``read_threads`` threads,
     ``read_task_bytes`` per task; smaller chunks of one file are read in batches of up to
-    ``read_batch_bytes``.
+    ``read_batch_bytes``. From storage where each request is a round trip (S3 and the like),
+    chunks under ``read_task_bytes`` are batched too (touching ones in one range request).
     """
 
     pack_max: int = 64 << 10
