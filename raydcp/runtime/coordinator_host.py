@@ -45,12 +45,13 @@ Protocol, as the host sees it (the rank's side is :mod:`raydcp.runtime.ray_trans
 
 6. A *survivors* operation (a rank's call says so: ``SaveOptions(survivors=True)``) goes on without
    ranks whose process is gone: while it runs, the host looks every :attr:`CoordinatorHost.watch_every_s`
-   whether each rank's process lives (as in step 2), and a rank found gone (its actor killed, its
-   worker or node lost) is *lost*: it stands in every open and later round as a
-   :class:`~raydcp.errors.RankLost`, which the operation's reductions handle (a survivors save plans
-   and commits without it, :mod:`raydcp.engine.survivors`); the operation ends once every surviving rank
-   closed it. A rank found gone stays gone for the incarnation's later operations. A rank that has not
-   called in the incarnation yet cannot be watched: the survivors wait for it as for any rank.
+   whether the process of each rank an open round waits for lives (as in step 2), and a rank found
+   gone (its actor killed, its worker or node lost) is *lost*: it stands in every open and later
+   round as a :class:`~raydcp.errors.RankLost`, which the operation's reductions handle (a survivors
+   save plans and commits without it, :mod:`raydcp.engine.survivors`); the operation ends once every
+   surviving rank closed it. A rank found gone stays gone for the incarnation's later operations. A
+   rank that has not called in the incarnation yet cannot be watched: the survivors wait for it as
+   for any rank.
 
 Concurrency: an asyncio actor. A waiting rank is an awaiting coroutine, and every reduction
 (decoding the ranks' plans, planning, encoding the replies) runs in a worker thread, so a stalled
@@ -398,12 +399,18 @@ class CoordinatorHost:
         coord.watcher = asyncio.ensure_future(self._watch(lin, coord))
 
     async def _watch(self, lin: _Lineage, coord: _HostedCoordinator) -> None:
-        """Until ``coord`` ends, look every :attr:`watch_every_s` whether the process of each of its
-        ranks still lives (:meth:`_gone`: Ray fails the wait on an object a dead process owned,
-        whether the process, its actor or its node went); a gone one is lost from the operation."""
+        """Until ``coord`` ends, look every :attr:`watch_every_s` whether the process of each rank an
+        open round waits for still lives (:meth:`_gone`: Ray fails the wait on an object a dead process
+        owned, whether the process, its actor or its node went); a gone one is lost from the operation.
+        Only the ranks a round waits for: a rank that dies after it arrived is waited for, and found
+        gone, in the next round (the last round completes without needing it)."""
         while not coord.ended():
+            waiting: set[int] = set()
+            for rnd in list(coord._rounds.values()):
+                if rnd.results is None:
+                    waiting.update(r for r in range(coord.world_size) if r not in rnd.values)
             watched = []
-            for rank in range(coord.world_size):
+            for rank in sorted(waiting):
                 if rank in coord.lost or rank in coord._closed:
                     continue
                 caller = lin.callers.get(rank)

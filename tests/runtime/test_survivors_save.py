@@ -58,6 +58,9 @@ class Worker:
     def wait_holding(self, timeout_s: float) -> bool:
         return self.holding.wait(timeout_s)
 
+    def ready(self) -> bool:
+        return True
+
 
 @pytest.fixture(scope="module")
 def survivors(ray_session):
@@ -70,7 +73,9 @@ def survivors(ray_session):
 @pytest.fixture
 def group(survivors):
     """(the group's name, its workers: the module's survivors and a new rank 3)"""
-    return f"survivors-{uuid.uuid4().hex[:8]}", [*survivors, Worker.remote(WORLD - 1)]
+    victim = Worker.remote(WORLD - 1)
+    ray.get([w.ready.remote() for w in (*survivors, victim)])  # started: the saves' waits are not for a start
+    return f"survivors-{uuid.uuid4().hex[:8]}", [*survivors, victim]
 
 
 def saves(group, path, step, **kw) -> list:
