@@ -11,7 +11,8 @@ local two-node-capable Ray cluster:
    driver adds a second node;
 3. Ray Train sees the larger cluster and restarts the run on 4 workers, which
    call ``raydcp.train.restore``: the 2-rank checkpoint is resharded to 4 ranks
-   (model, optimizer, LR schedule, step, data position; RNG re-derived);
+   (model, optimizer, LR schedule, step, the data position of a ``raydcp.data.DataCursor``; RNG
+   re-derived): the resumed run reads exactly the samples the uninterrupted one would have;
 4. training continues to ``--steps``. With ``--verify`` an uninterrupted run
    on 2 workers is trained too and the final parameters, loss and learning rate
    are compared (world-size independent up to float rounding: the global batch
@@ -48,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import raydcp
+import raydcp.data
 import raydcp.train
 from raydcp.codec import dtype_from_name
 
@@ -127,7 +129,8 @@ def train_loop(config: dict) -> None:
     stop_at (end this run early, after the checkpoint at that step), pause_at/max_workers/events
     (elastic demo), preempt_at (a simulated preemption notice at that step), async_save
     (checkpoint with raydcp.train.save(async_save=True)), max_staging_bytes (its staging cap per
-    node), dim/layers (model size)."""
+    node), dim/layers (model size); notes (an Events actor's name: rank 0 notes each step's loss and
+    samples there)."""
     from torch.distributed.fsdp import fully_shard
 
     ctx = ray.train.get_context()
@@ -142,6 +145,9 @@ def train_loop(config: dict) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 1e-2), eps=1e-6, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * 0.9 ** max(0, s - 4))
     state = raydcp.train.TrainState(model, opt, sched, seed=seed)
+    # the data position, global: resharded with the world size, the next samples are the same ones
+    cursor = raydcp.data.DataCursor(NUM_SAMPLES, gbatch, seed=seed)
+    saved = {"train": state, "data": cursor}
 
     memory = config.get("memory", False)
     in_memory = None
@@ -149,7 +155,7 @@ def train_loop(config: dict) -> None:
         from raydcp.train.memory_saves import latest_in_memory, memory_root
 
         in_memory = latest_in_memory(memory_root(ctx))
-    resumed = raydcp.train.restore({"train": state}, async_save=config.get("async_save", False))
+    resumed = raydcp.train.restore(saved, async_save=config.get("async_save", False))
     if not resumed:
         state.reseed()
     start = state.step
@@ -161,18 +167,22 @@ def train_loop(config: dict) -> None:
                                       "source": source}))
 
     data = dataset(seed)
+    notes = ray.get_actor(config["notes"]) if config.get("notes") and rank == 0 else None
     get_info = None
     if config.get("preempt_at") is not None:  # a simulated notice, as ray.train.get_preemption_info gives it
         from ray.train import PreemptionInfo
 
+        deadline = [int(time.time() * 1000) + 60_000]
+        dist.broadcast_object_list(deadline, src=0)  # every rank the same notice, as Ray Train gives it
+
         def get_info():
             if state.step != config["preempt_at"]:
                 return None
-            return PreemptionInfo(deadline_ms=int(time.time() * 1000) + 60_000,
-                                  preempted_node_to_ranks={"simulated-node": [world - 1]})
+            return PreemptionInfo(deadline_ms=deadline[0], preempted_node_to_ranks={"simulated-node": [world - 1]})
 
     while state.step < min(steps, config.get("stop_at") or steps):
-        batch = data[sample_ids(state.batch_range(gbatch), seed)]
+        batch = data[cursor.batch_indices(rank, world)]
+        samples = cursor.order()[cursor.consumed:cursor.consumed + gbatch].tolist()  # the step's, all ranks
         loss = F.cross_entropy(model(batch[:, :-1]).reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -180,11 +190,15 @@ def train_loop(config: dict) -> None:
         sched.step()
         consume_rng()
         state.advance(gbatch)
+        cursor.step()
 
         total = loss.detach().clone()
         dist.all_reduce(total)
         metrics = {"loss": total.item() / world, "lr": sched.get_last_lr()[0], "step": state.step,
-                   "world_size": world, "resumed": resumed, "start_step": start, "rng": state.rng_restored}
+                   "world_size": world, "resumed": resumed, "start_step": start, "rng": state.rng_restored,
+                   "samples": samples}
+        if notes is not None:
+            ray.get(notes.append.remote({"step": state.step, "loss": metrics["loss"], "samples": samples}))
         if state.step == steps:
             draws = [None] * world
             dist.all_gather_object(draws, draw_rng())
@@ -196,12 +210,12 @@ def train_loop(config: dict) -> None:
         if state.step % every == 0 or state.step == steps:
             # before pausing, make sure Ray Train has registered the checkpoint the resize resumes from
             # (a memory checkpoint that is not persisted is held by the cluster once saved)
-            raydcp.train.save({"train": state}, metrics, wait_registered=pausing,
+            raydcp.train.save(saved, metrics, wait_registered=pausing,
                               async_save=config.get("async_save", False),
                               max_staging_bytes=config.get("max_staging_bytes"), memory=memory,
                               persist_every=config.get("persist_every", 1),
                               persist=True if state.step == steps else None)  # the last one is kept
-        elif raydcp.train.save_on_preemption({"train": state}, metrics, get_info=get_info):
+        elif raydcp.train.save_on_preemption(saved, metrics, get_info=get_info):
             pass  # the run goes on until the node is actually taken away
 
         if pausing or killing:
@@ -340,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"storage": storage}
     try:
         events = Events.options(name="raydcp-elastic-events").remote()
+        notes = Events.options(name="raydcp-elastic-notes").remote()
         config = {"seed": 0, "steps": args.steps, "ckpt_every": args.ckpt_every, "global_batch": 12,
                   "pause_at": args.pause_at, "max_workers": 4, "events": "raydcp-elastic-events",
                   "async_save": args.async_save, "memory": args.memory, "persist_every": args.persist_every,
-                  "kill_at": kill_at}
+                  "kill_at": kill_at, "notes": "raydcp-elastic-notes"}
         trainer = make_trainer(config, name="elastic", storage=storage, num_workers=(2, 4),
                                max_failures=1 if args.memory else 0)
         out: dict = {}
@@ -392,23 +407,36 @@ def main(argv: list[str] | None = None) -> int:
         say(f"finished on {result.metrics['world_size']} workers at step {result.metrics['step']}: "
             f"loss {result.metrics['loss']:.5f}, lr {result.metrics['lr']:.5f}")
         sizes = [a["world_size"] for a in summary["attempts"]]
+        summary["steps"] = {n["step"]: n for n in ray.get(notes.items.remote())}  # the last attempt's wins
         if kill_at is None:
             ok = sizes[-1:] == [4]
         else:  # 2 -> 4 (scale-up) -> 2 (node lost), both resumes from memory
             ok = sizes == [2, 4, 2] and [a["source"] for a in summary["attempts"][1:]] == ["memory", "memory"]
         if args.verify:
-            ref_cfg = {k: v for k, v in config.items() if k not in ("pause_at", "events", "memory", "kill_at")}
+            ref_notes = Events.options(name="raydcp-elastic-ref-notes").remote()
+            ref_cfg = {k: v for k, v in config.items()
+                       if k not in ("pause_at", "events", "memory", "kill_at")}
+            ref_cfg["notes"] = "raydcp-elastic-ref-notes"
             ref = make_trainer(ref_cfg, name="reference", storage=storage, num_workers=2).fit()
             diff = max_rel_diff(load_full(ref.checkpoint.path), load_full(result.checkpoint.path))
+            ref_steps = {n["step"]: n for n in ray.get(ref_notes.items.remote())}
+            run_steps = summary["steps"]
             summary["verify"] = {
                 "reference_loss": ref.metrics["loss"], "reference_lr": ref.metrics["lr"],
                 "param_max_rel_diff": diff,
                 "loss_rel_diff": abs(ref.metrics["loss"] - result.metrics["loss"]) / abs(ref.metrics["loss"]),
                 "lr_equal": math.isclose(ref.metrics["lr"], result.metrics["lr"], rel_tol=1e-12),
+                # every step read the samples the uninterrupted run read (none skipped, none repeated)
+                "samples_equal": sorted(ref_steps) == sorted(run_steps) and all(
+                    sorted(ref_steps[s]["samples"]) == sorted(run_steps[s]["samples"]) for s in ref_steps),
+                "step_loss_max_rel_diff": max(abs(ref_steps[s]["loss"] - run_steps[s]["loss"]) / abs(ref_steps[s]["loss"])
+                                              for s in ref_steps if s in run_steps),
             }
             say(f"uninterrupted 2-worker run: loss {ref.metrics['loss']:.5f}; parameters differ by at most "
                 f"{diff:.2e} (relative)")
-            ok = ok and diff <= 1e-5 and summary["verify"]["loss_rel_diff"] <= 1e-5 and summary["verify"]["lr_equal"]
+            say(f"every step read the same samples as the uninterrupted run: {summary['verify']['samples_equal']}")
+            ok = ok and diff <= 1e-5 and summary["verify"]["loss_rel_diff"] <= 1e-5 and summary["verify"]["lr_equal"] \
+                and summary["verify"]["samples_equal"]
         summary["ok"] = ok
     finally:
         ray.shutdown()
