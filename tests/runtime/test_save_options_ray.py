@@ -55,6 +55,8 @@ def test_shard_group_save_writes_with_the_save_options(ray_session, tmp_path):
         assert len(md.files) == 8 and md.compressions == {"lz4": 8}
         with pytest.raises(raydcp.CheckpointError, match="options must be a raydcp.SaveOptions"):
             g.save(str(tmp_path / "bad"), options={"max_file_bytes": 1})
+        with pytest.raises(raydcp.CheckpointError, match=r"does not take SaveOptions\(survivors=True\)"):
+            g.save(str(tmp_path / "bad"), options=SaveOptions(survivors=True))  # refused, not ignored
     finally:
         g.shutdown()
     three = raydcp.ShardGroup(3, num_gpus_per_actor=0.05, timeout_s=60)  # 2 -> 3 through the compressed pieces

@@ -166,6 +166,36 @@ def test_save_on_preemption_saves_once_per_announced_event(monkeypatch):
     assert kw2["_emergency"] == {"deadline_ms": None, "preempted_ranks": [0], "seconds_left": None}
 
 
+def test_an_emergency_save_leaves_out_only_rng_rows_the_lost_ranks_held(monkeypatch):
+    """The lost ranks' RNG rows are per rank: the emergency save goes again without the RNG (the
+    resumed run re-derives it); any other key not covered fails it."""
+    from ray.train import PreemptionInfo
+
+    from raydcp.errors import StateNotCoveredError
+    from raydcp.train import preemption
+
+    state = raydcp.train.TrainState(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), 0.1))
+    calls = []
+
+    def save(sd, metrics, **kw):
+        calls.append((state.save_rng, kw["_emergency"].get("rng")))
+        if len(calls) == 1:
+            raise StateNotCoveredError("not covered", keys=keys, lost_ranks=[3])
+
+    monkeypatch.setattr(preemption, "save", save)
+    monkeypatch.setattr(preemption, "_handled", set())
+    info = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n": [3]})
+    keys = ["train.rng.torch", "train.rng.python"]
+    assert raydcp.train.save_on_preemption({"train": state}, get_info=lambda: info)
+    assert calls == [(True, None), (False, "left out")] and state.save_rng  # put back after the save
+    calls.clear()
+    keys = ["train.rng.torch", "train.model.weight"]  # not only RNG rows: the error stands
+    with pytest.raises(StateNotCoveredError):
+        raydcp.train.save_on_preemption({"train": state}, get_info=lambda: PreemptionInfo(
+            deadline_ms=1, preempted_node_to_ranks={"n": [3]}))
+    assert calls == [(True, None)]
+
+
 def _run_storage(tmp_path):
     from ray.train.v2._internal.execution.storage import StorageContext
 

@@ -207,6 +207,10 @@ class ShardGroup:
         ckpt = _local_path(checkpoint_id)
         if options is not None and not isinstance(options, SaveOptions):
             raise CheckpointError(f"options must be a raydcp.SaveOptions (or None), got {type(options).__name__}")
+        if options is not None and options.survivors:  # its actors' deaths break the group: nothing survives
+            raise CheckpointError("ShardGroup.save does not take SaveOptions(survivors=True): a ShardGroup whose "
+                                  "actor dies is broken; save with raydcp.save(..., group=raydcp.Group(...)) from "
+                                  "your own actors for a save that commits without lost ranks")
         self._begin("save", need_state=True)
         spec = self._spec()
         out = self._gather(f"save({ckpt!r})",
