@@ -139,10 +139,12 @@ class Coordinator:
 
     Reductions get the :class:`~raydcp.planner.PlanCache` of their group (kept in the process,
     from one operation to the next, for the ``max_cached_groups`` groups that planned last): a
-    training run's saves of one layout reuse the previous plan's layout decisions."""
+    training run's saves of one layout reuse the previous plan's layout decisions. What one
+    group's cache holds is linear in pieces: a save plan's files (16 bytes a piece), a load
+    plan's reads and deliveries (about 150 bytes a piece)."""
 
     _executor = None  # where reductions run: the loop's default executor, or the host's own
-    max_cached_groups = 8
+    max_cached_groups = 4
     _plan_caches: "OrderedDict[str, PlanCache]" = OrderedDict()
     _caches_lock = threading.Lock()
 
