@@ -46,8 +46,8 @@ with the transport's decoding of what the ranks send and encoding of the replies
     python bench/planning.py               # full scale, ~3-5 minutes
     python bench/planning.py --scale 0.125 # quick
     python bench/planning.py --end-to-end-only --no-dcp  # the end-to-end table only
-    python bench/planning.py --ranks 10240 --tensors 100 --load-ranks 8192 --end-to-end-only --no-dcp \
-        --rank-points 1024,4096,10240,16384      # many ranks, few tensors each (~5 min)
+    # many ranks, few tensors each (~5 min):
+    python bench/planning.py --ranks 10240 --tensors 100 --load-ranks 8192 --end-to-end-only --no-dcp --rank-points 1024,4096,10240,16384
 """
 from __future__ import annotations
 
