@@ -23,7 +23,9 @@ from .save import StagedState
 from .session import PersistSession
 
 
-def _attach(name: str, size: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+def attach_arena(name: str, size: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    """A shared staging arena another process made (``StagingArena(shared=True)``), attached by
+    name: ``(its SharedMemory, a uint8 tensor of its first size bytes)``; the maker unlinks it."""
     shm = shared_memory.SharedMemory(name=name)
     resource_tracker.unregister(shm._name, "shared_memory")  # the parent owns and unlinks it
     return shm, torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
@@ -82,7 +84,7 @@ class _Helper:
         data: list[Any] = [None] * len(plan.items)
         if job.get("source") is not None:  # the trainer's private arena, read a chunk at a time
             return session.write(job["index"], StagedState(plan, data), _memory_reader(job, plan.items))
-        shm, arena = _attach(job["arena"], job["arena_size"])  # a shared arena, written from straight away
+        shm, arena = attach_arena(job["arena"], job["arena_size"])  # a shared arena, written from straight away
         try:
             for i, (off, n) in job["layout"].items():
                 data[i] = arena.narrow(0, off, n)

@@ -7,11 +7,12 @@
    to its persister actor, a Ray actor pinned to the same node (created on first use,
    reused, calls run in order); the actor opens the operation's Ray transport and runs the
    plan step in a :class:`~raydcp.engine.session.PersistSession`, as rank ``g.rank``;
-2. ``write``, per batch: the rank copies the batch's pieces into Ray's object store as one
-   object (one ``ray.put`` of the pieces' host byte views: one memcpy each; device pieces are
-   first copied into a pinned host arena kept between saves, with non-blocking copies on a
-   side stream) -- the caller waits only for this -- and the actor reads them zero-copy and
-   writes the batch's files;
+2. ``write``, per batch: the rank copies the batch's pieces into a shared-memory arena kept
+   between saves (one memcpy each into memory already mapped; device pieces with non-blocking
+   copies on a side stream into the arena, pinned) -- the caller waits only for this -- and the
+   actor attaches the arena by name and writes the batch's files from it. Where ``/dev/shm``
+   has no room for the arena (a container's small default), the pieces go into Ray's object
+   store instead (one ``ray.put``: a copy into memory the store allocates for each save);
 3. ``commit``: the actor runs the commit step (every rank's, together) and closes the transport.
 
 The trainer's process never runs the writes, so they never hold its GIL. Without a staging
@@ -22,6 +23,7 @@ time. The stall grows; the staging memory does not.
 """
 from __future__ import annotations
 
+import atexit
 import os
 
 import numpy as np
@@ -31,9 +33,11 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..engine.persist import lower_priority
+from ..engine.persist_worker import attach_arena
 from ..engine.save import StagedState
 from ..engine.session import PersistSession
 from ..engine.staging import StagingArena
+from ..planner.save import ALIGN
 from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..options import AsyncOptions, SaveOptions
@@ -74,15 +78,28 @@ class _Persister:
             transport.close()
             raise
 
-    def write(self, index: int, items: list[int], pieces: list[np.ndarray]) -> bool:
-        """Step 2 for batch ``index`` (the pieces of ``items``); False once this save failed."""
+    def write(self, index: int, items: list[int], pieces: list[np.ndarray] | None, arena: dict | None = None) -> bool:
+        """Step 2 for batch ``index`` (the pieces of ``items``); False once this save failed. The
+        pieces are ``pieces`` (from the object store), or in the rank's shared ``arena``
+        (``{"name", "size", "layout": {item: (offset, nbytes)}}``), attached for this batch."""
         session = self._session
         if session.plan_error is not None:
             return False
         data: list = [None] * len(session.local_plan.items)
-        for i, t in zip(items, _tensors(pieces)):
-            data[i] = t
-        return session.write(index, StagedState(session.local_plan, data))
+        if arena is None:
+            for i, t in zip(items, _tensors(pieces)):
+                data[i] = t
+            return session.write(index, StagedState(session.local_plan, data))
+        shm, buf = attach_arena(arena["name"], arena["size"])
+        try:
+            for i, (off, n) in arena["layout"].items():
+                data[i] = buf.narrow(0, off, n)
+            ok = session.write(index, StagedState(session.local_plan, data))
+            del data
+            return ok
+        finally:
+            del buf
+            shm.close()
 
     def commit(self, error: "RankFailure | str | None" = None):
         """Step 3 (every rank's, together); ``error``: the rank failed while staging."""
@@ -127,7 +144,12 @@ class PersisterActor:
     """This process's persister actor (one per process, on this node) and its device arena."""
 
     def __init__(self, nice: int = 19) -> None:
-        # ray.put copies out of the arena before write returns, so the next batch or save may reuse it
+        # Where pieces are staged, kept between saves: the actor reads it until the batch is
+        # written, and the next batch or save stages only after that (async saves are ordered).
+        self.arena = StagingArena(shared=True)
+        atexit.register(self.arena.close)
+        # without room for it in /dev/shm: device pieces through this pinned one, then ray.put
+        # (which copies out before write returns, so the next batch or save may reuse it)
         self.device_arena = StagingArena()
         self.nice = nice
         node = ray.get_runtime_context().get_node_id()
@@ -139,13 +161,20 @@ class PersisterActor:
         """Have the actor start and import the save path now, without waiting for it."""
         self.actor.ready.remote()
 
-    def put(self, staged: StagedState, items: list[int], cap: int | None = None) -> ray.ObjectRef:
-        """The snapshot of pieces ``items``: one copy of each into shared memory (device pieces
-        through the pinned host arena, non-blocking copies on a side stream, reused across saves)."""
+    def stage(self, staged: StagedState, items: list[int], cap: int | None = None) -> tuple[ray.ObjectRef | None, dict | None]:
+        """The snapshot of pieces ``items``, one copy of each: into the shared arena (``(None,
+        where it is)``) where ``/dev/shm`` has room for it, else into the object store (``(its
+        object, None)``; device pieces through the pinned host arena, non-blocking copies on a
+        side stream, reused across saves)."""
+        need = sum(-(-staged.data[i].numel() // ALIGN) * ALIGN for i in items)
+        held = self.arena.buffer.numel() if self.arena.buffer is not None else 0
+        if need <= held and (cap is None or held <= cap) or _shm_room(need):
+            layout = self.arena.stage(staged, items, limit=cap)
+            return None, {"name": self.arena.shm_name, "size": self.arena.buffer.numel(), "layout": layout}
         on_device = [i for i in items if staged.data[i].device.type != "cpu"]
         if on_device:
             self.device_arena.stage(staged, on_device, limit=cap)
-        return ray.put([staged.data[i].numpy() for i in items])
+        return ray.put([staged.data[i].numpy() for i in items]), None
 
 
 class RayPersister:
@@ -165,10 +194,24 @@ class RayPersister:
                                                         storage_options, plan, self._cap, save_options))
 
     def write(self, index: int, staged: StagedState, items: list[int]) -> _RayFuture:
-        return _RayFuture(self.actor.actor.write.remote(index, items, self.actor.put(staged, items, self._cap)))
+        pieces, arena = self.actor.stage(staged, items, self._cap)
+        return _RayFuture(self.actor.actor.write.remote(index, items, pieces, arena))
 
     def commit(self, error: "RankFailure | str | None") -> _RayFuture:
         return _RayFuture(self.actor.actor.commit.remote(error))
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_room(nbytes: int) -> bool:
+    """Whether ``/dev/shm`` has room for ``nbytes`` more with as much again to spare (for the
+    object store and others there): a container's default of 64 MiB has not, for a model."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= 2 * nbytes
 
 
 _PROCESS_PERSISTER: PersisterActor | None = None
@@ -181,5 +224,7 @@ def persister_for_this_process(nice: int = 19) -> PersisterActor:
     global _PROCESS_PERSISTER, _PROCESS_SESSION
     now = connection.session()
     if _PROCESS_PERSISTER is None or _PROCESS_SESSION != now:
+        if _PROCESS_PERSISTER is not None:  # its actor went with the old session: so does its arena
+            _PROCESS_PERSISTER.arena.close()
         _PROCESS_PERSISTER, _PROCESS_SESSION = PersisterActor(nice), now
     return _PROCESS_PERSISTER
