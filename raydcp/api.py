@@ -53,7 +53,7 @@ class GroupBinding:
     """
 
     group: Group | None
-    open_transport: Callable[[], Transport]
+    open_transport: Callable[..., Transport]  # keyword: survivors=True (a Ray group)
     persister: Callable[[AsyncOptions], AsyncPersister]
 
 
