@@ -29,7 +29,6 @@ import os
 import posixpath
 import struct
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -46,7 +45,7 @@ from ..storage import references as refs
 from ..storage.retention import list_committed
 from .save_records import StorageRecord
 
-__all__ = ["PROCESS_WRITER", "writer_of", "DeltaBase", "resolve_base", "split_reused", "digest_file_name",
+__all__ = ["PROCESS_WRITER", "writer_of", "DeltaBase", "resolve_base", "DeltaWrite", "digest_file_name",
            "remember_commit", "DeltaSave", "digest_record", "writer_environment"]
 
 # group-less saves of this process: "previous" is what this process committed (its helper
@@ -286,71 +285,95 @@ def remember_commit(storage: CheckpointStorage, writer: str) -> None:
     _LAST[(parent.url, writer)] = storage.url
 
 
-def split_reused(storage: CheckpointStorage, base: DeltaBase | None, rank: int, save_id: str, items: Sequence,
-                 layouts: list[tuple[str, list[int], list[int]]], sources: Sequence | None,
-                 read: Callable[[str, int, int, int, int], None] | None, threads: int, step: int,
-                 ) -> tuple[list[tuple[str, list[int], list[int]]], StorageRecord, dict[int, bytes], list[int]]:
-    """Steps 1-3 for one rank's files ``layouts``: ``(layouts of what to write, offsets laid out
-    again; a record of the reused pieces' rows; item -> digest of every piece; the reused items,
-    in the record's order)``."""
-    owner_of_item = {i: name for name, ids, _ in layouts for i in ids}
-    order = [i for _, ids, _ in layouts for i in ids]
+class DeltaWrite:
+    """Steps 1-3 of one rank's write step of a delta save, file by file, so that a file's pieces
+    are decided (hashed, looked up) and the ones that changed written while the next file's are
+    hashed: ``decide`` per planned file (from any thread), then ``finish`` once.
 
-    def digest_of(i: int) -> bytes:
-        src = None if sources is None else sources[i]
-        rd = None if read is None else (lambda s, n, a, _f=owner_of_item[i], _i=i: read(_f, _i, s, n, a))
-        return _piece_digest(src, items[i].nbytes, rd, step)
+    Every base directory the rank may reference is pinned first, with the base's files there,
+    and kept only if it is not being removed and its files are all still there; ``finish``
+    narrows each pin to the files the rank references (and removes the pins of directories it
+    references nothing in), so retention keeps exactly those.
+    """
 
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        digests = dict(zip(order, pool.map(digest_of, order)))
-    reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file as named from the new checkpoint
-    if base is not None:
-        for i in order:
+    def __init__(self, storage: CheckpointStorage, base: DeltaBase | None, rank: int, save_id: str,
+                 items: Sequence, sources: Sequence | None, read: Callable[[str, int, int, int, int], None] | None,
+                 step: int):
+        self.storage, self.base, self.rank, self.save_id = storage, base, rank, save_id
+        self.items, self.sources, self.read, self.step = items, sources, read, step
+        self.digests: dict[int, bytes] = {}
+        self.reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file named from the new checkpoint
+        self.owners: dict[str, CheckpointStorage] = {}  # pinned owner (relative to the new checkpoint) -> its storage
+        if base is not None:
+            self._pin_bases()
+
+    def _pin_bases(self) -> None:
+        files: dict[str, set[str]] = {}
+        for name in self.base.metadata.files:
+            ref = refs.reference_to(self.storage.path, self.base.storage.path, name)
+            owner_rel = refs.owner_of(ref)
+            files.setdefault(owner_rel, set()).add(ref)
+        for owner_rel, names in files.items():
+            owner = self.storage.at(posixpath.normpath(f"{self.storage.path}/{owner_rel}"))
+            try:
+                refs.write_pin(owner, posixpath.relpath(self.storage.path, owner.path), self.save_id, self.rank,
+                               [f[len(owner_rel) + 1:] for f in names])
+                if refs.tombstoned(owner) or any(self.storage.file_size(f) is None for f in names):
+                    self._unpin(owner)
+                    continue  # being removed, or already partly gone: its pieces are written
+            except CheckpointError:
+                continue  # not reachable as it should be: its pieces are written
+            self.owners[owner_rel] = owner
+
+    def _unpin(self, owner: CheckpointStorage) -> None:
+        try:
+            owner.remove_files([refs.pin_name(self.save_id, self.rank)])
+        except CheckpointError:
+            pass  # a pin left behind keeps files longer, never fewer
+
+    def decide(self, name: str, ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The items of planned file ``name`` to write, and their byte offsets in it laid out again."""
+        items = self.items
+        for i in ids:
+            src = None if self.sources is None else self.sources[i]
+            rd = None if self.read is None else (lambda s, n, a, _i=i: self.read(name, _i, s, n, a))
+            d = self.digests[i] = _piece_digest(src, items[i].nbytes, rd, self.step)
+            if self.base is None:
+                continue
             it = items[i]
-            c = base.chunk(it.key, tuple(it.offsets), tuple(it.sizes))
+            c = self.base.chunk(it.key, tuple(it.offsets), tuple(it.sizes))
             if c is None or c.nbytes != it.nbytes:
                 continue
-            if base.digest(refs.resolve(base.storage.path, c.file), c.byte_offset, rank) == digests[i]:
-                reused[i] = (c, refs.reference_to(storage.path, base.storage.path, c.file))
-        reused = _pinned(storage, reused, rank, save_id)
-    kept = []
-    for name, ids, _ in layouts:
-        todo = [i for i in ids if i not in reused]
-        if todo:
-            offs, pos = [], 0
-            for i in todo:
-                pos = -(-pos // ALIGN) * ALIGN
-                offs.append(pos)
-                pos += items[i].nbytes
-            kept.append((name, todo, offs))
-    rows = [(items[i].key, tuple(items[i].offsets), tuple(items[i].sizes), ref, c.byte_offset, c.nbytes, c.crc,
-             c.blocks) for i, (c, ref) in reused.items()]
-    record = StorageRecord.from_rows(rows, [c.codec for c, _ in reused.values()] if rows else None,
-                                     [c.stored for c, _ in reused.values()] if rows else None)
-    return kept, record, digests, list(reused)
+            ref = refs.reference_to(self.storage.path, self.base.storage.path, c.file)
+            if refs.owner_of(ref) in self.owners and \
+                    self.base.digest(refs.resolve(self.base.storage.path, c.file), c.byte_offset, self.rank) == d:
+                self.reused[i] = (c, ref)
+        todo = [i for i in ids if i not in self.reused]
+        offs, pos = [], 0
+        for i in todo:
+            pos = -(-pos // ALIGN) * ALIGN
+            offs.append(pos)
+            pos += items[i].nbytes
+        return todo, offs
 
-
-def _pinned(storage: CheckpointStorage, reused: dict, rank: int, save_id: str) -> dict:
-    """Pin each base directory the reused pieces lie in, then keep only the pieces of bases that
-    are not being removed and whose files are all still there (:mod:`raydcp.storage.references`)."""
-    by_owner: dict[str, list[int]] = {}
-    for i, (_, ref) in reused.items():
-        by_owner.setdefault(refs.owner_of(ref), []).append(i)
-    out = {}
-    for owner_rel, ids in by_owner.items():
-        owner = storage.at(posixpath.normpath(f"{storage.path}/{owner_rel}"))
-        try:
-            files = {reused[i][1] for i in ids}
-            refs.write_pin(owner, posixpath.relpath(storage.path, owner.path), save_id, rank,
-                           [f[len(owner_rel) + 1:] for f in files])
-            if refs.tombstoned(owner):
-                continue
-            if any(storage.file_size(f) is None for f in files):
-                continue
-        except CheckpointError:
-            continue  # the base is not reachable as it should be: write these pieces
-        out.update((i, reused[i]) for i in ids)
-    return out
+    def finish(self) -> tuple[StorageRecord, list[int]]:
+        """The reused pieces' rows (the base chunks' files, ranges and checksums) and their items,
+        in the record's order; each pin narrowed to what is referenced."""
+        used: dict[str, set[str]] = {}
+        for _, ref in self.reused.values():
+            used.setdefault(refs.owner_of(ref), set()).add(ref)
+        for owner_rel, owner in self.owners.items():
+            if owner_rel not in used:
+                self._unpin(owner)
+            else:
+                refs.write_pin(owner, posixpath.relpath(self.storage.path, owner.path), self.save_id, self.rank,
+                               [f[len(owner_rel) + 1:] for f in used[owner_rel]])
+        items = self.items
+        rows = [(items[i].key, tuple(items[i].offsets), tuple(items[i].sizes), ref, c.byte_offset, c.nbytes, c.crc,
+                 c.blocks) for i, (c, ref) in self.reused.items()]
+        record = StorageRecord.from_rows(rows, [c.codec for c, _ in self.reused.values()] if rows else None,
+                                         [c.stored for c, _ in self.reused.values()] if rows else None)
+        return record, list(self.reused)
 
 
 def digest_record(writer: str, save_id: str, record: StorageRecord, digests: Sequence[bytes]) -> bytes:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
@@ -20,7 +21,7 @@ from ..storage import CheckpointStorage
 from ..storage.capacity import release_save
 from ..transport import Transport
 from .compressed import PieceRows, compressed_file_buffers
-from .delta import DeltaSave, digest_file_name, digest_record, remember_commit, resolve_base, split_reused, writer_of
+from .delta import DeltaSave, DeltaWrite, digest_file_name, digest_record, remember_commit, resolve_base, writer_of
 from .protocol import commit_round, name_storage_error, plan_round
 from .save_records import StorageRecord
 
@@ -195,16 +196,43 @@ def write_rank_files(storage: CheckpointStorage, plan: RankWritePlan, staged: St
     layouts = _file_layouts(plan.files)
     if delta is None:
         return _write_layouts(storage, layouts, staged, read, io, compression)
-    planned = layouts
+    return _write_delta(storage, plan, layouts, staged, read, io, compression, delta)
+
+
+def _write_delta(storage: CheckpointStorage, plan: RankWritePlan, planned: list[tuple[str, list[int], list[int]]],
+                 staged: StagedState, read: Callable[[str, int, int, int, int], None] | None, io: IOOptions,
+                 compression: str | None, delta: DeltaSave) -> StorageRecord:
+    """:func:`write_rank_files` of a delta save: each planned file's pieces hashed and looked up in
+    the base (:class:`~raydcp.engine.delta.DeltaWrite`), then the changed ones written, file by file
+    in ``io.write_threads`` threads; the reused ones recorded as references; the digest file last."""
     items = staged.plan.items
-    layouts, reused, digests, reused_ids = split_reused(
-        storage, delta.base, plan.rank, plan.save_id, items, planned, staged.sources() if read is None else None,
-        read, io.write_threads, io.write_bytes)
-    record = StorageRecord.concat([_write_layouts(storage, layouts, staged, read, io, compression), reused])
+    sources = staged.sources() if read is None else None
+    work = DeltaWrite(storage, delta.base, plan.rank, plan.save_id, items, sources, read, io.write_bytes)
+    sizes = [it.nbytes for it in items]
+    crcs: list[Any] = [None] * len(items)
+    blocks: list[tuple[int, ...]] = [()] * len(items)
+
+    def one(layout: tuple[str, list[int], list[int]]) -> tuple[str, list[int], list[int]]:
+        name, ids, _ = layout
+        todo, offs = work.decide(name, ids)
+        if todo and compression is None:
+            storage.write_file(name, _file_buffers(todo, offs, sizes, sources, crcs, blocks,
+                                                   None if read is None else partial(read, name), io),
+                               read_ahead=True)
+        return name, todo, offs
+
+    with ThreadPoolExecutor(max(1, min(io.write_threads, len(planned)))) as pool:
+        kept = [layout for layout in pool.map(one, planned) if layout[1]]
+    if compression is None:
+        written = StorageRecord.written(staged.plan, kept, crcs, blocks)
+    else:
+        written = _write_compressed(storage, kept, staged, read, io, compression)
+    reused, reused_ids = work.finish()
+    record = StorageRecord.concat([written, reused])
     if planned:
-        order = [i for _, ids, _ in layouts for i in ids] + reused_ids
+        order = [i for _, ids, _ in kept for i in ids] + reused_ids
         storage.write_file(digest_file_name(planned[0][0]),
-                           [digest_record(delta.writer, plan.save_id, record, [digests[i] for i in order])])
+                           [digest_record(delta.writer, plan.save_id, record, [work.digests[i] for i in order])])
     return record
 
 
