@@ -105,6 +105,7 @@ class StagingArena:
         self.shm: shared_memory.SharedMemory | None = None
         self.mapping: mmap.mmap | None = None
         self.allocations = 0  # how many times the arena was (re)allocated
+        self._named = False  # a shared arena's name is still in /dev/shm (see unlink)
 
     @property
     def shm_name(self) -> str | None:
@@ -123,6 +124,7 @@ class StagingArena:
         size = max(nbytes, ALIGN)
         if self.shared:
             self.shm = shared_memory.SharedMemory(create=True, size=size)
+            self._named = True
             self.buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=size)
             self.pinned = pin and _register_pinned(self.buffer)
         elif self.huge_pages and not pin:
@@ -143,7 +145,7 @@ class StagingArena:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
         self.buffer = None
         if self.shm is not None:
-            self.shm.unlink()
+            self.unlink()
             try:
                 self.shm.close()
             except BufferError:  # views of the old arena are still alive; the mapping goes with them
@@ -155,6 +157,14 @@ class StagingArena:
             except BufferError:  # as above
                 pass
             self.mapping = None
+
+    def unlink(self) -> None:
+        """Remove a shared arena's name from ``/dev/shm`` (once every reader has attached it): the
+        memory stays mapped in this process and in theirs, and goes when the last of them unmaps
+        it or exits, even killed, so nothing is left behind. Reused by later saves as before."""
+        if self.shm is not None and self._named:
+            self._named = False
+            self.shm.unlink()
 
     def stage(self, staged: StagedState, indices: list[int], limit: int | None = None) -> dict[int, tuple[int, int]]:
         """Copy pieces ``indices`` into the arena and point ``staged.data`` at the copies.

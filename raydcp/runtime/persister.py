@@ -10,9 +10,12 @@
 2. ``write``, per batch: the rank copies the batch's pieces into a shared-memory arena kept
    between saves (one memcpy each into memory already mapped; device pieces with non-blocking
    copies on a side stream into the arena, pinned) -- the caller waits only for this -- and the
-   actor attaches the arena by name and writes the batch's files from it. Where ``/dev/shm``
-   has no room for the arena (a container's small default), the pieces go into Ray's object
-   store instead (one ``ray.put``: a copy into memory the store allocates for each save);
+   actor writes the batch's files from it. When the rank (re)allocates the arena, the actor
+   attaches it by name (``attach``, waited for) and the rank then removes the name from
+   ``/dev/shm``: both keep it mapped, and nothing is left there when they exit, even killed.
+   Where ``/dev/shm`` has no room for the arena (a container's small default), the pieces go
+   into Ray's object store instead (one ``ray.put``: a copy into memory the store allocates for
+   each save);
 3. ``commit``: the actor runs the commit step (every rank's, together) and closes the transport.
 
 The trainer's process never runs the writes, so they never hold its GIL. Without a staging
@@ -58,6 +61,24 @@ class _Persister:
     def __init__(self, nice: int = 19) -> None:
         lower_priority(nice)  # persisting yields the CPU to the training processes
         self._session: PersistSession | None = None
+        self._arena: tuple[str, object, torch.Tensor] | None = None  # the rank's arena: (name, its shm, bytes)
+
+    def attach(self, name: str, size: int) -> bool:
+        """Map the rank's new staging arena ``name`` (its first ``size`` bytes), in place of the
+        one before, for the writes of this and later saves."""
+        self._detach()
+        shm, buf = attach_arena(name, size)
+        self._arena = (name, shm, buf)
+        return True
+
+    def _detach(self) -> None:
+        if self._arena is not None:
+            shm = self._arena[1]
+            self._arena = None  # its tensor first: a mapping with views alive cannot close
+            try:
+                shm.close()
+            except BufferError:  # a write's views still alive: the mapping goes with them
+                pass
 
     def nice(self) -> int:
         return os.nice(0)
@@ -90,16 +111,15 @@ class _Persister:
             for i, t in zip(items, _tensors(pieces)):
                 data[i] = t
             return session.write(index, StagedState(session.local_plan, data))
-        shm, buf = attach_arena(arena["name"], arena["size"])
-        try:
-            for i, (off, n) in arena["layout"].items():
-                data[i] = buf.narrow(0, off, n)
-            ok = session.write(index, StagedState(session.local_plan, data))
-            del data
-            return ok
-        finally:
-            del buf
-            shm.close()
+        if self._arena is None or self._arena[0] != arena["name"]:
+            raise CheckpointError(f"internal error: the persister has not attached the staging arena "
+                                  f"{arena['name']!r} of rank {session.transport.rank}; nothing was committed")
+        buf = self._arena[2]
+        for i, (off, n) in arena["layout"].items():
+            data[i] = buf.narrow(0, off, n)
+        ok = session.write(index, StagedState(session.local_plan, data))
+        del data
+        return ok
 
     def commit(self, error: "RankFailure | str | None" = None):
         """Step 3 (every rank's, together); ``error``: the rank failed while staging."""
@@ -112,7 +132,10 @@ class _Persister:
             session.transport.close()
 
 
-_PersisterRemote = ray.remote(num_cpus=0, max_restarts=0)(_Persister)
+# attach runs in a group of its own: it must not wait behind a begin (a plan round waiting for the
+# other ranks); it never meets a write (a save stages, so attaches, only once the save before it
+# and its own earlier batches are written)
+_PersisterRemote = ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"arena": 1})(_Persister)
 
 
 class _RayFuture:
@@ -147,6 +170,7 @@ class PersisterActor:
         # Where pieces are staged, kept between saves: the actor reads it until the batch is
         # written, and the next batch or save stages only after that (async saves are ordered).
         self.arena = StagingArena(shared=True)
+        self._attached = 0  # the arena allocation the actor has mapped (StagingArena.allocations)
         atexit.register(self.arena.close)
         # without room for it in /dev/shm: device pieces through this pinned one, then ray.put
         # (which copies out before write returns, so the next batch or save may reuse it)
@@ -156,10 +180,11 @@ class PersisterActor:
         self.actor = _PersisterRemote.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         ).remote(nice)
+        self._ready = self.actor.ready.remote()  # done once the actor has started
 
     def prepare(self) -> None:
         """Have the actor start and import the save path now, without waiting for it."""
-        self.actor.ready.remote()
+        self._ready = self.actor.ready.remote()
 
     def stage(self, staged: StagedState, items: list[int], cap: int | None = None) -> tuple[ray.ObjectRef | None, dict | None]:
         """The snapshot of pieces ``items``, one copy of each: into the shared arena (``(None,
@@ -168,9 +193,17 @@ class PersisterActor:
         side stream, reused across saves)."""
         need = sum(-(-staged.data[i].numel() // ALIGN) * ALIGN for i in items)
         held = self.arena.buffer.numel() if self.arena.buffer is not None else 0
-        if need <= held and (cap is None or held <= cap) or _shm_room(need):
+        fits = need <= held and (cap is None or held <= cap) and self._attached == self.arena.allocations
+        # a new arena needs the actor up to map it: until it has started (a first save without
+        # raydcp.prepare_group(..., async_save=True)), the object store stages instead, without waiting
+        if fits or _shm_room(need) and ray.wait([self._ready], timeout=0)[0]:
             layout = self.arena.stage(staged, items, limit=cap)
-            return None, {"name": self.arena.shm_name, "size": self.arena.buffer.numel(), "layout": layout}
+            name, size = self.arena.shm_name, self.arena.buffer.numel()
+            if self._attached != self.arena.allocations:  # a new arena: the actor maps it, then its name goes
+                ray.get(self.actor.attach.options(concurrency_group="arena").remote(name, size))
+                self.arena.unlink()
+                self._attached = self.arena.allocations
+            return None, {"name": name, "size": size, "layout": layout}
         on_device = [i for i in items if staged.data[i].device.type != "cpu"]
         if on_device:
             self.device_arena.stage(staged, on_device, limit=cap)

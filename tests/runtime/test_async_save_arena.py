@@ -1,5 +1,6 @@
 """async_save with a Ray group stages into a shared-memory arena kept between saves (the persister
-actor attaches it by name), or into the object store where /dev/shm has no room for it."""
+actor maps it, then its name leaves /dev/shm), or into the object store where /dev/shm has no room
+for it."""
 from __future__ import annotations
 
 import ray
@@ -28,12 +29,16 @@ class ArenaRank:
         self.w.sub_(1000)
         return fut.stall_s
 
-    def arena(self) -> tuple[int, bool]:
-        """How often this process's staging arena was allocated, and whether it holds one now."""
+    def arena(self) -> tuple[int, bool, bool]:
+        """How often this process's staging arena was allocated, whether it holds one now, and
+        whether its name is still in /dev/shm (it must not be: a killed process would leave it)."""
+        import os
+
         from raydcp.runtime import persister
 
         arena = persister.persister_for_this_process().arena
-        return arena.allocations, arena.buffer is not None
+        named = arena.shm_name is not None and os.path.exists(os.path.join("/dev/shm", arena.shm_name))
+        return arena.allocations, arena.buffer is not None, named
 
 
 def _check(path, step_sum: int, step: int) -> None:
@@ -48,11 +53,12 @@ def test_saves_stage_into_one_shared_arena(ray_session, tmp_path):
         ray.get([r.save.remote(str(tmp_path / f"ck{step}"), step) for r in ranks])
     _check(tmp_path / "ck1", 1, 1)
     _check(tmp_path / "ck2", 3, 2)
-    assert ray.get([r.arena.remote() for r in ranks]) == [(1, True), (1, True)]  # allocated once, reused
+    # allocated once and reused; its name gone from /dev/shm once the persister mapped it
+    assert ray.get([r.arena.remote() for r in ranks]) == [(1, True, False), (1, True, False)]
 
 
 def test_without_room_in_dev_shm_the_object_store_stages(ray_session, tmp_path):
     ranks = [ArenaRank.remote("arena-none", r, 2, False) for r in range(2)]
     ray.get([r.save.remote(str(tmp_path / "ck"), 5) for r in ranks])
     _check(tmp_path / "ck", 5, 5)
-    assert ray.get([r.arena.remote() for r in ranks]) == [(0, False), (0, False)]
+    assert ray.get([r.arena.remote() for r in ranks]) == [(0, False, False), (0, False, False)]
