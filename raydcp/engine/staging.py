@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
+import secrets
 from multiprocessing import shared_memory
 
 import torch
@@ -97,6 +99,39 @@ def _register_pinned(buf: torch.Tensor) -> bool:
 __all__ = ["StagingArena", "staging_mode", "STAGING_ENV"]
 
 
+SHM_DIR = "/dev/shm"
+ARENA_PREFIX = "raydcp-stage-"  # + the making process's pid + "-" + a token: a shared arena's name
+
+
+def sweep_arenas(directory: str = SHM_DIR) -> int:
+    """Remove the shared arenas whose making process is gone (killed before it removed the name;
+    its readers, if any, keep their mappings); returns how many. Run before each new one."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(ARENA_PREFIX):
+            continue
+        pid = name[len(ARENA_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class StagingArena:
     def __init__(self, *, shared: bool = False, huge_pages: bool = False):
         self.shared = shared
@@ -123,7 +158,9 @@ class StagingArena:
         self.close()
         size = max(nbytes, ALIGN)
         if self.shared:
-            self.shm = shared_memory.SharedMemory(create=True, size=size)
+            sweep_arenas()
+            self.shm = shared_memory.SharedMemory(name=f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(4)}",
+                                                  create=True, size=size)
             self._named = True
             self.buffer = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=size)
             self.pinned = pin and _register_pinned(self.buffer)

@@ -200,8 +200,10 @@ class PersisterActor:
             layout = self.arena.stage(staged, items, limit=cap)
             name, size = self.arena.shm_name, self.arena.buffer.numel()
             if self._attached != self.arena.allocations:  # a new arena: the actor maps it, then its name goes
-                ray.get(self.actor.attach.options(concurrency_group="arena").remote(name, size))
-                self.arena.unlink()
+                try:
+                    ray.get(self.actor.attach.options(concurrency_group="arena").remote(name, size))
+                finally:
+                    self.arena.unlink()  # mapped by the actor, or never to be: the name goes either way
                 self._attached = self.arena.allocations
             return None, {"name": name, "size": size, "layout": layout}
         on_device = [i for i in items if staged.data[i].device.type != "cpu"]
