@@ -28,6 +28,7 @@ import logging
 import os
 import posixpath
 import struct
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -302,6 +303,9 @@ class DeltaWrite:
         self.storage, self.base, self.rank, self.save_id = storage, base, rank, save_id
         self.items, self.sources, self.read, self.step = items, sources, read, step
         self.digests: dict[int, bytes] = {}
+        # hashing is CPU-bound: as many files hashed at once as there are cores, so a file decided
+        # early is written (I/O) while the others are hashed, not after every hash has shared the CPU
+        self._hashing = threading.Semaphore(max(1, min(len(os.sched_getaffinity(0)), 8)))
         self.reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file named from the new checkpoint
         self.owners: dict[str, CheckpointStorage] = {}  # pinned owner (relative to the new checkpoint) -> its storage
         if base is not None:
@@ -337,7 +341,8 @@ class DeltaWrite:
         for i in ids:
             src = None if self.sources is None else self.sources[i]
             rd = None if self.read is None else (lambda s, n, a, _i=i: self.read(name, _i, s, n, a))
-            d = self.digests[i] = _piece_digest(src, items[i].nbytes, rd, self.step)
+            with self._hashing:
+                d = self.digests[i] = _piece_digest(src, items[i].nbytes, rd, self.step)
             if self.base is None:
                 continue
             it = items[i]

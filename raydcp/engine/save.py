@@ -221,8 +221,12 @@ def _write_delta(storage: CheckpointStorage, plan: RankWritePlan, planned: list[
                                read_ahead=True)
         return name, todo, offs
 
+    # the smallest files first: the pieces that changed (adapters, optimizer state) are written while
+    # the large unchanged ones are still being hashed
+    by_size = sorted(planned, key=lambda layout: sum(sizes[i] for i in layout[1]))
     with ThreadPoolExecutor(max(1, min(io.write_threads, len(planned)))) as pool:
-        kept = [layout for layout in pool.map(one, planned) if layout[1]]
+        done = {layout[0]: layout for layout in pool.map(one, by_size)}
+    kept = [done[name] for name, _, _ in planned if done[name][1]]  # in the plan's order
     if compression is None:
         written = StorageRecord.written(staged.plan, kept, crcs, blocks)
     else:
