@@ -106,7 +106,10 @@ def test_a_holder_killed_between_save_and_load_is_named_as_the_loss(name):
 
     url = f"raymem://{name}/ckpt"
     _save(url, 3)
-    ray.kill(placement.holder(_node()), no_restart=True)
+    holder = placement.holder(_node())
+    ray.kill(holder, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # gone before the load starts (ray.kill does not wait)
+        ray.get(holder.ping.remote(), timeout=60)
     with pytest.raises(CheckpointNotFoundError) as err:
         raydcp.load(_blank(), url)
     text = str(err.value)
