@@ -308,6 +308,7 @@ class DeltaWrite:
         self._hashing = threading.Semaphore(max(1, min(len(os.sched_getaffinity(0)), 8)))
         self.reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file named from the new checkpoint
         self.owners: dict[str, CheckpointStorage] = {}  # pinned owner (relative to the new checkpoint) -> its storage
+        self.pinned: dict[str, set[str]] = {}  # the files each pin names now
         if base is not None:
             self._pin_bases()
 
@@ -328,6 +329,7 @@ class DeltaWrite:
             except CheckpointError:
                 continue  # not reachable as it should be: its pieces are written
             self.owners[owner_rel] = owner
+            self.pinned[owner_rel] = names
 
     def _unpin(self, owner: CheckpointStorage) -> None:
         try:
@@ -370,7 +372,7 @@ class DeltaWrite:
         for owner_rel, owner in self.owners.items():
             if owner_rel not in used:
                 self._unpin(owner)
-            else:
+            elif used[owner_rel] != self.pinned[owner_rel]:
                 refs.write_pin(owner, posixpath.relpath(self.storage.path, owner.path), self.save_id, self.rank,
                                [f[len(owner_rel) + 1:] for f in used[owner_rel]])
         items = self.items
