@@ -97,7 +97,9 @@ def test_raydcp_leaves_the_environment_as_it_was_and_works_after_a_new_ray_init(
             ray.shutdown()
         print("ok")
     """)
-    done = _run([sys.executable, "-c", program], _env())
+    # RAY_ADDRESS=local: each ray.init starts an instance of its own even where another runs on this
+    # machine (a test suite's); raydcp setting RAY_ADDRESS would show as a changed environment
+    done = _run([sys.executable, "-c", program], _env(RAY_ADDRESS="local"))
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout + done.stderr)[-4000:]
 
 
