@@ -15,30 +15,24 @@ demo: $(STAMP)
 	$(PY) jobs/demo.py
 	$(PY) jobs/train_elastic.py --verify
 
-# Four pytest processes side by side (most of the suite waits on Ray's processes, not the CPU):
-# the tests that use a local Ray instance (marker `ray`, added by tests/conftest.py to every test
-# that uses the session's), in two processes with an instance each (the Ray Train, reshard,
-# pipeline, command-line and docs tests in the second); the tests that need no Ray; and the
-# multi-node tests (marker `cluster`), which start a Ray cluster of their own that one process
-# cannot hold beside a local instance. The first runs in the foreground; the others' output follows.
-RAY_SECOND := tests/train tests/reshard tests/pipeline tests/cli tests/docs
+# Three pytest processes side by side (most of the suite waits on Ray's processes, not the CPU):
+# the tests that use the session's local Ray instance (marker `ray`, added by tests/conftest.py to
+# every test that uses it), the tests that need no Ray, and the multi-node tests (marker `cluster`),
+# which start a Ray cluster of their own that one process cannot hold beside a local instance.
+# The first runs in the foreground; the others' output follows it.
 test: $(STAMP)
 	@$(PY) -m pytest -q -p no:cacheprovider -m cluster tests/cluster --durations=5 > $(VENV)/cluster-tests.log 2>&1 & \
 	cluster=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider -m "not cluster and not ray" --durations=5 > $(VENV)/plain-tests.log 2>&1 & \
-	plain=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -m "ray and not cluster" --durations=5 $(RAY_SECOND) > $(VENV)/ray2-tests.log 2>&1 & \
-	ray2=$$!; trap 'kill $$cluster $$plain $$ray2 2>/dev/null' INT TERM; \
+	plain=$$!; trap 'kill $$cluster $$plain 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest -q -m cluster tests/cluster  (in the background: $(VENV)/cluster-tests.log)"; \
 	echo "$(PY) -m pytest -q -m \"not cluster and not ray\"  (in the background: $(VENV)/plain-tests.log)"; \
-	echo "$(PY) -m pytest -q -m \"ray and not cluster\" $(RAY_SECOND)  (in the background: $(VENV)/ray2-tests.log)"; \
-	echo "$(PY) -m pytest -q -m \"ray and not cluster\" $(addprefix --ignore=,$(RAY_SECOND))"; \
-	$(PY) -m pytest -q -m "ray and not cluster" $(addprefix --ignore=,$(RAY_SECOND)) --durations=10; main=$$?; \
-	wait $$ray2; ray2_rc=$$?; wait $$plain; plain_rc=$$?; wait $$cluster; multi=$$?; \
-	echo "--- the other Ray tests, run beside the above:"; cat $(VENV)/ray2-tests.log; \
+	echo "$(PY) -m pytest -q -m \"ray and not cluster\""; \
+	$(PY) -m pytest -q -m "ray and not cluster" --durations=15; main=$$?; \
+	wait $$plain; plain_rc=$$?; wait $$cluster; multi=$$?; \
 	echo "--- the tests that need no Ray, run beside the above:"; cat $(VENV)/plain-tests.log; \
 	echo "--- the multi-node cluster tests (tests/cluster), run beside the above:"; cat $(VENV)/cluster-tests.log; \
-	test $$main -eq 0 && test $$ray2_rc -eq 0 && test $$plain_rc -eq 0 && test $$multi -eq 0
+	test $$main -eq 0 && test $$plain_rc -eq 0 && test $$multi -eq 0
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check raydcp tests bench jobs
