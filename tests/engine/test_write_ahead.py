@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 
 import crc32c
-import numpy as np
 import torch
 
 from raydcp.engine.save import local_save_plan, plan_options, write_rank_files
