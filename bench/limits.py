@@ -356,8 +356,7 @@ def run_reshard(args, ranks: Ranks, specs: dict, times: dict, info: dict) -> Non
                 if rep:
                     times.setdefault(f"reshard 4->6 {lib}", []).append(t)
             if rep:
-                log(f"  reshard repeat {rep}: " + "  ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()
-                                                            if k.startswith("reshard")))
+                log_repeat("reshard", rep, times)
     finally:
         group.shutdown()
         shutil.rmtree(path, ignore_errors=True)
@@ -467,10 +466,14 @@ def run_s3(args, times: dict, info: dict) -> None:
                     if rep:
                         times.setdefault(f"s3 {op} {lib}", []).append(t)
             if rep:
-                log(f"  s3 repeat {rep}: " + "  ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()
-                                                       if k.startswith("s3")))
+                log_repeat("s3", rep, times)
     finally:
         moto.terminate()
+
+
+def log_repeat(what: str, rep: int, times: dict[str, list[float]]) -> None:
+    """One line per repeat: the latest time of each measure of ``what``."""
+    log(f"  {what} repeat {rep}: " + "  ".join(f"{k} {v[-1]:.3f}" for k, v in times.items() if k.startswith(what)))
 
 
 def main() -> None:
