@@ -53,7 +53,7 @@ class GroupBinding:
     """
 
     group: Group | None
-    open_transport: Callable[..., Transport]  # keyword: survivors=True (a Ray group)
+    open_transport: Callable[..., Transport]  # keywords: survivors=True, leaving (a Ray group)
     persister: Callable[[AsyncOptions], AsyncPersister]
 
 
@@ -164,8 +164,8 @@ def save(state_dict: dict, checkpoint_id, *, group: Group | None = None,
         from .engine.survivors import save_survivors_with
 
         with _gc_paused():
-            return save_survivors_with(lambda: binding.open_transport(survivors=True), state_dict, ckpt,
-                                       storage_options, options)
+            return save_survivors_with(lambda: binding.open_transport(survivors=True, leaving=options.leaving),
+                                       state_dict, ckpt, storage_options, options)
     transport = binding.open_transport()
     try:
         with _gc_paused():

@@ -154,6 +154,28 @@ def _check_io(owner: str, io) -> None:
         raise CheckpointError(f"{owner}.io must be a raydcp.options.IOOptions, got {type(io).__name__}")
 
 
+def _leaving(leaving, survivors: bool) -> dict[str, tuple[int, ...]]:
+    """SaveOptions.leaving as ``{node id: sorted ranks}``, checked."""
+    if not survivors:
+        raise CheckpointError("SaveOptions.leaving names ranks a survivors save goes on without: it needs "
+                              "survivors=True")
+    if not isinstance(leaving, Mapping):
+        raise CheckpointError(f"SaveOptions.leaving must map node ids to lists of ranks (a preemption notice's "
+                              f"preempted_node_to_ranks), got {type(leaving).__name__}")
+    out = {}
+    for node, ranks in leaving.items():
+        try:
+            ranks = sorted({int(r) for r in ranks if not isinstance(r, bool) and int(r) == r and r >= 0})
+            bad = len(ranks) != len(set(leaving[node]))
+        except (TypeError, ValueError):
+            bad = True
+        if bad:
+            raise CheckpointError(f"SaveOptions.leaving[{node!r}] must be a list of ranks (ints >= 0), "
+                                  f"got {leaving[node]!r}")
+        out[str(node)] = tuple(ranks)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
     """How a save lays out and writes its data (every rank of a group passes the same).
@@ -168,6 +190,10 @@ class SaveOptions:
     the metadata records the lost ranks (``Metadata.extra["lost_ranks"]``). Otherwise nothing is
     committed and every survivor raises one :class:`~raydcp.errors.StateNotCoveredError` naming
     the keys and ranks. Synchronous saves of a Ray group only (``raydcp.save``).
+    ``leaving`` (with ``survivors``): the ranks announced to go, by node (a preemption notice's
+    ``{node id: [ranks]}``). Where the other ranks hold every piece these ranks hold, the plan gives
+    them nothing to write and the commit does not wait for them, so their death at any moment
+    changes nothing; a leaving rank whose node is gone is left out at once, called or not.
 
     ``base``: a delta save (docs/delta.md). A committed checkpoint's path, or ``"previous"``: the
     newest checkpoint this writer (the Group's name, else this process) committed with a base
@@ -180,6 +206,7 @@ class SaveOptions:
     compression: str | None = None
     io: IOOptions = DEFAULT_IO
     survivors: bool = False
+    leaving: Mapping[str, tuple[int, ...]] | None = None
     base: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
@@ -196,6 +223,8 @@ class SaveOptions:
         _check_io("SaveOptions", self.io)
         if not isinstance(self.survivors, bool):
             raise CheckpointError(f"SaveOptions.survivors must be True or False, got {self.survivors!r}")
+        if self.leaving is not None:
+            object.__setattr__(self, "leaving", _leaving(self.leaving, self.survivors))
         if self.base is not None and not isinstance(self.base, (str, os.PathLike)):
             raise CheckpointError(f"SaveOptions.base must be a checkpoint path or 'previous', got {self.base!r}")
         if isinstance(self.base, os.PathLike):

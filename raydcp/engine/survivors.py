@@ -23,6 +23,13 @@ reductions below as a :class:`~raydcp.errors.RankLost`. Per attempt, every survi
    coordinator knows the lost ranks from the start (``required`` carries what the first plan held,
    so keys only the lost writer held are named, not silently dropped).
 
+Ranks announced to go (``SaveOptions.leaving``, a preemption notice's ranks) are planned around
+from the start, so that their death at any moment changes nothing: where the other ranks hold every
+piece a leaving rank holds (checked on its local plan, as above), the plan gives it nothing to write
+(step 1), and the commit does not wait for it (step 3 completes once every other rank arrived; one
+that comes later gets the metadata all the same). A leaving rank that alone holds some piece is
+planned as any rank: the save needs it, and commits without it only by a new attempt, as above.
+
 A rank that fails (raises) still fails every rank, as in every save: survivors commits are for
 lost ranks, not for errors. A rank lost before it sent its local plan cannot be checked against
 (what it held is unknown): only pieces of tensors the survivors name are checked then.
@@ -32,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 from ..errors import CheckpointError, RankFailure, RankLost, RanksLostError, StateNotCoveredError
 from ..metadata import Metadata
@@ -40,23 +47,37 @@ from ..options import SaveOptions
 from ..planner import LocalSavePlan, SavePlanOptions
 from ..state import flatten_state
 from ..storage import CheckpointStorage, capacity
-from ..transport import Transport
 from .protocol import COMMIT_STEP, PLAN_STEP, commit_checkpoint, commit_metadata, name_storage_error, reduce_plan
 from .save import discard_after_failure, local_save_plan, plan_options, rank_file_names, write_rank_files
 
 __all__ = ["save_survivors_with", "reduce_plan_survivors", "reduce_commit_survivors", "uncovered_keys",
-           "LOST_RANKS_KEY", "lost_ranks"]
+           "leaving_ranks", "SurvivorsTransport", "LOST_RANKS_KEY", "lost_ranks"]
 
 LOST_RANKS_KEY = "lost_ranks"  # Metadata.extra[LOST_RANKS_KEY]: the ranks a survivors save committed without
 
 
-def save_survivors_with(open_transport: Callable[[], Transport], state_dict: dict, checkpoint_id: str,
+class SurvivorsTransport(Protocol):
+    """A survivors operation's transport (``open_transport(survivors=True)`` of a Ray group): a
+    :class:`~raydcp.transport.Transport` whose rounds go on without ranks found lost, and whose
+    ``reduce_scatter`` may be told the ranks a round need not wait for (``optional``)."""
+
+    rank: int
+    world_size: int
+
+    def reduce_scatter(self, step: str, local: Any, reduce_fn: Callable, *, optional: Collection[int] = ()) -> Any:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def save_survivors_with(open_transport: Callable[[], Any], state_dict: dict, checkpoint_id: str,
                         storage_options: dict | None, options: SaveOptions) -> Metadata:
     """The survivors save of one rank (every rank of the group calls it together; module doc).
 
-    ``open_transport()`` opens a survivors transport of the group's next operation; it is called
-    once per attempt (an attempt after a writer was lost is a new operation)."""
-    transport = open_transport()
+    ``open_transport()`` opens a :class:`SurvivorsTransport` of the group's next operation; it is
+    called once per attempt (an attempt after a writer was lost is a new operation)."""
+    transport: SurvivorsTransport = open_transport()
     rank, world = transport.rank, transport.world_size
     try:
         local: Any = local_save_plan(rank, flatten_state(state_dict), compare_replicas=world > 1)
@@ -79,9 +100,15 @@ def save_survivors_with(open_transport: Callable[[], Transport], state_dict: dic
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _attempt(transport: Transport, local: Any, required: tuple, checkpoint_id: str,
+def leaving_ranks(options: SaveOptions) -> frozenset[int]:
+    """The ranks ``options.leaving`` names (announced to go), whatever their node."""
+    return frozenset(r for ranks in (options.leaving or {}).values() for r in ranks)
+
+
+def _attempt(transport: SurvivorsTransport, local: Any, required: tuple, checkpoint_id: str,
              storage_options: dict | None, options: SaveOptions) -> Metadata:
     rank = transport.rank
+    leaving = leaving_ranks(options)
     destination = (str(checkpoint_id), storage_options)
     value: Any = local
     staged = None if isinstance(local, RankFailure) else local
@@ -92,7 +119,7 @@ def _attempt(transport: Transport, local: Any, required: tuple, checkpoint_id: s
         except Exception as exc:
             value = RankFailure.from_exception(rank, exc)
     plan, header, writers, lost = transport.reduce_scatter(
-        PLAN_STEP, value, partial(reduce_plan_survivors, plan_options(options), destination))
+        PLAN_STEP, value, partial(reduce_plan_survivors, plan_options(options), destination, leaving=leaving))
     storage = CheckpointStorage(checkpoint_id, storage_options)
     try:
         written: Any = (write_rank_files(storage, plan, staged, io=options.io, compression=options.compression),
@@ -100,8 +127,10 @@ def _attempt(transport: Transport, local: Any, required: tuple, checkpoint_id: s
     except Exception as exc:
         written = RankFailure.from_exception(rank, name_storage_error(exc, checkpoint_id))
     try:
+        # the leaving ranks the plan gave nothing to write: the commit does not wait for them
         return transport.reduce_scatter(COMMIT_STEP, written,
-                                        partial(reduce_commit_survivors, checkpoint_id, storage_options))
+                                        partial(reduce_commit_survivors, checkpoint_id, storage_options),
+                                        optional=sorted(leaving - writers))
     except CheckpointError as exc:
         discard_after_failure(storage, [plan], exc)
         raise
@@ -112,9 +141,10 @@ def _lost(values: Sequence[Any]) -> list[RankLost]:
 
 
 def reduce_plan_survivors(options: SavePlanOptions, destination: tuple[str, dict | None],
-                          values: Sequence[Any]) -> list:
+                          values: Sequence[Any], leaving: Collection[int] = ()) -> list:
     """On the coordinator: step 1 (module doc). ``values[r]`` is ``(url, LocalSavePlan, writer site,
-    required)`` or a RankLost; per rank ``(RankWritePlan, SaveHeader, writers, lost ranks)``."""
+    required)`` or a RankLost; per rank ``(RankWritePlan, SaveHeader, writers, lost ranks)``.
+    ``leaving``: ranks announced to go, given nothing to write where the others hold all they hold."""
     lost = _lost(values)
     live = [v for v in values if not isinstance(v, RankLost)]
     if not live:
@@ -129,6 +159,12 @@ def reduce_plan_survivors(options: SavePlanOptions, destination: tuple[str, dict
                                        lost_ranks=lost_ranks, failures={v.rank: v.reason for v in lost})
     url, site = live[0][0], live[0][2]
     stand_in = {v.rank: (url, LocalSavePlan(v.rank, {}, (), {}), site) for v in lost}
+    going = [r for r in sorted(set(leaving)) if 0 <= r < len(values) and r not in stand_in]
+    staying = [v[1] for r, v in enumerate(values) if r not in stand_in and r not in going]
+    if going and staying:
+        held = {k for r in going for k in (*values[r][1].tensors, *values[r][1].values)}
+        if not uncovered_keys(staying, held):  # the others hold every piece: the leaving ranks write nothing
+            stand_in.update({r: (values[r][0], LocalSavePlan(r, {}, (), {}), values[r][2]) for r in going})
     plans = [stand_in[r] if r in stand_in else v[:3] for r, v in enumerate(values)]
     out = reduce_plan(options, plans, destination)
     header = out[0][1]

@@ -50,8 +50,16 @@ Protocol, as the host sees it (the rank's side is :mod:`raydcp.runtime.ray_trans
    round as a :class:`~raydcp.errors.RankLost`, which the operation's reductions handle (a survivors
    save plans and commits without it, :mod:`raydcp.engine.survivors`); the operation ends once every
    surviving rank closed it. A rank found gone stays gone for the incarnation's later operations. A
-   rank that has not called in the incarnation yet cannot be watched: the survivors wait for it as
-   for any rank.
+   rank that has not called in the incarnation yet cannot be watched by its process: the survivors
+   wait for it as for any rank, unless its node is known.
+7. Ranks announced to go (a survivors call's ``leaving``: ``{node id: ranks}``, a preemption
+   notice's) are also found lost once their node is gone (Ray's node table says so), whether or
+   not they called. And a round of a survivors operation may be told (a call's ``optional``) which
+   ranks it need not wait for: it completes once every other rank arrived, each optional rank still
+   missing standing in as a :class:`~raydcp.errors.RankLost` (*excused*); an excused rank that
+   comes later gets its reply of that round at once. The operation then ends once every rank
+   closed it or was found gone (an excused rank that neither calls nor dies is let go after the
+   operation's ``timeout_s``).
 
 Concurrency: an asyncio actor. A waiting rank is an awaiting coroutine, and every reduction
 (decoding the ranks' plans, planning, encoding the replies) runs in a worker thread, so a stalled
@@ -132,6 +140,10 @@ class _HostedCoordinator(Coordinator):
         self._executor = host.executor
         self.survivors = False  # a survivors operation: lost ranks are stood in for, not waited for
         self.lost: dict[int, str] = {}  # rank -> how it was found lost
+        self.leaving: dict[int, str] = {}  # rank -> its node: ranks announced to go (module doc, step 7)
+        self.optional: dict[int, frozenset] = {}  # seq -> ranks that round need not wait for
+        self.excused: dict[int, _Round] = {}  # rank -> the round that completed without it
+        self.excused_at: float | None = None  # when the first rank was excused (time.monotonic)
         self.watcher: asyncio.Task | None = None
 
     def ended(self) -> bool:
@@ -147,8 +159,38 @@ class _HostedCoordinator(Coordinator):
         for rnd in list(self._rounds.values()):
             if rnd.results is None and rank not in rnd.values:
                 self._stand_in(rnd, rank)
+                self.excuse_missing(rnd)
                 if len(rnd.values) == self.world_size:
                     asyncio.ensure_future(self._finish_round(rnd))
+        self._finish_if_closed()
+
+    def _finish_if_closed(self) -> bool:
+        """End the operation where every rank not lost closed it (True: it ended now)."""
+        if self.ended() or not self.lost:
+            return False
+        if set(range(self.world_size)) - self.lost.keys() <= self._closed.keys():
+            self._finished = True
+            self._on_end()
+            return True
+        return False
+
+    def excuse_missing(self, rnd: _Round, arriving: int | None = None) -> None:
+        """Where every rank of ``rnd`` but its optional ones is there (with ``arriving``), stand those
+        in (module doc, step 7): the round completes without them."""
+        optional = self.optional.get(rnd.seq, frozenset())
+        missing = set(range(self.world_size)) - rnd.values.keys() - {arriving}
+        if not missing or not missing <= optional:
+            return
+        for r in sorted(missing):
+            rnd.values[r] = {} if rnd.kind == "exchange" else RankLost(
+                r, "announced to go and given nothing to write: the survivors did not wait for it")
+            rnd.calls[r] = (rnd.kind, rnd.step)
+            self.excused[r] = rnd
+        if self.excused_at is None:
+            self.excused_at = time.monotonic()
+
+    def unclosed_excused(self) -> list[int]:
+        return [r for r in self.excused if r not in self._closed and r not in self.lost]
 
     def _stand_in(self, rnd: _Round, rank: int) -> None:
         rnd.values[rank] = {} if rnd.kind == "exchange" else RankLost(rank, self.lost[rank])
@@ -161,27 +203,35 @@ class _HostedCoordinator(Coordinator):
         self._rounds.pop(rnd.seq, None)
 
     async def _rendezvous(self, rank, world_size, seq, kind, step, value, reduce_fn):
+        rnd = self.excused.get(rank)
+        if rnd is not None and rnd.seq == seq and rank not in self._closed:  # late to a round that went on
+            self._seen.add(rank)
+            self._last_step[rank] = step
+            self._last_seq[rank] = seq
+            await rnd.done.wait()
+            return self.creator_rank, rnd.results[rank]
         if rank in self.lost:  # found gone, yet it calls: the survivors went on without it
             return self.creator_rank, RanksLostError(
                 f"{step}: rank {rank} of group '{self.group_name}' (operation {self.op}) was found lost "
                 f"({self.lost[rank]}) and the other ranks went on without it; this process can no longer take "
                 "part in the operation", lost_ranks=[rank])
-        if (self.lost and not self.ended() and seq not in self._rounds and self._valid_rank(rank)
-                and world_size == self.world_size and rank not in self._closed):
+        usable = (not self.ended() and self._valid_rank(rank) and world_size == self.world_size
+                  and rank not in self._closed)
+        if (self.lost or seq in self.optional) and usable and seq not in self._rounds:
             rnd = self._rounds[seq] = _Round(seq, kind, step, reduce_fn)
             for r in self.lost:
                 self._stand_in(rnd, r)
+        if seq in self.optional and usable and seq > self._last_seq.get(rank, 0):
+            rnd = self._rounds.get(seq)
+            if rnd is not None and rnd.results is None and rank not in rnd.values:
+                self.excuse_missing(rnd, rank)
         return await super()._rendezvous(rank, world_size, seq, kind, step, value, reduce_fn)
 
     async def close(self, rank: int) -> bool:
         done = await super().close(rank)
-        if done or self._finished or not self.lost:
+        if done or self._finished:
             return done
-        if set(range(self.world_size)) - self.lost.keys() <= self._closed.keys():  # every survivor closed
-            self._finished = True
-            self._on_end()
-            return True
-        return False
+        return self._finish_if_closed()  # every survivor closed
 
     def _on_end(self) -> None:
         if self.watcher is not None and self.watcher is not asyncio.current_task():
@@ -251,15 +301,19 @@ class CoordinatorHost:
 
     # -- the ranks' calls -----------------------------------------------------------------------
     async def reduce_scatter(self, key: OpKey, timeout_s, rank, world_size, seq, step, local, reduce_fn,
-                             caller: Caller | None = None, survivors: bool = False):
+                             caller: Caller | None = None, survivors: bool = False, leaving: dict | None = None,
+                             optional: tuple = ()):
         """``local`` and the reply travel as ``raydcp.transport.Wire`` where the rank could encode them.
         ``caller``: the process that numbered the operation (None: one unnamed process). ``survivors``:
-        the operation goes on without ranks found lost (module doc, step 6)."""
+        the operation goes on without ranks found lost (module doc, step 6); ``leaving`` (node id ->
+        ranks) and ``optional`` (ranks this round need not wait for): step 7."""
         coord, ended = await self._coordinator(key, world_size, timeout_s, rank, step, caller)
         if coord is None:
             return ended
         if survivors:
-            self._survivors(key, coord)
+            self._survivors(key, coord, leaving)
+            if optional and not coord.ended():
+                coord.optional.setdefault(seq, frozenset(int(r) for r in optional))
         _, value = await coord.reduce_scatter(rank, world_size, seq, step, local, self._reduction(step, reduce_fn))
         return value
 
@@ -268,12 +322,12 @@ class CoordinatorHost:
         return _OnWire(step, reduce_fn)
 
     async def exchange(self, key: OpKey, timeout_s, rank, world_size, seq, step, outgoing,
-                       caller: Caller | None = None, survivors: bool = False):
+                       caller: Caller | None = None, survivors: bool = False, leaving: dict | None = None):
         coord, ended = await self._coordinator(key, world_size, timeout_s, rank, step, caller)
         if coord is None:
             return ended
         if survivors:
-            self._survivors(key, coord)
+            self._survivors(key, coord, leaving)
         _, value = await coord.exchange(rank, world_size, seq, step, outgoing)
         return value
 
@@ -384,8 +438,13 @@ class CoordinatorHost:
             return coord, None
 
     # -- survivors operations (module doc, step 6) ----------------------------------------------
-    def _survivors(self, key: OpKey, coord: _HostedCoordinator) -> None:
-        """Make ``coord`` a survivors operation (on its first call that says so) and watch its ranks."""
+    def _survivors(self, key: OpKey, coord: _HostedCoordinator, leaving: dict | None = None) -> None:
+        """Make ``coord`` a survivors operation (on its first call that says so) and watch its ranks;
+        ``leaving``: the ranks announced to go, by node (module doc, step 7)."""
+        for node, ranks in (leaving or {}).items():
+            for r in ranks:
+                if coord._valid_rank(r):
+                    coord.leaving.setdefault(r, str(node))
         if coord.survivors or coord.ended():
             return
         state = self.owners.get(key[0])
@@ -405,10 +464,24 @@ class CoordinatorHost:
         Only the ranks a round waits for: a rank that dies after it arrived is waited for, and found
         gone, in the next round (the last round completes without needing it)."""
         while not coord.ended():
-            waiting: set[int] = set()
+            waiting: set[int] = set(coord.unclosed_excused())  # an excused rank: until it closes or is gone
             for rnd in list(coord._rounds.values()):
                 if rnd.results is None:
                     waiting.update(r for r in range(coord.world_size) if r not in rnd.values)
+            if coord.excused_at is not None and waiting == set(coord.unclosed_excused()) and waiting \
+                    and time.monotonic() - coord.excused_at > coord.timeout_s:
+                for rank in waiting:  # neither called nor died: let it go
+                    coord.lose(rank, "announced to go; it neither came nor was found gone")
+                continue
+            leaving = [r for r in sorted(waiting) if r in coord.leaving and r not in coord.lost]
+            if leaving:  # a leaving rank whose node is gone is lost, whether or not it called
+                gone_nodes = await self._dead_nodes({coord.leaving[r] for r in leaving})
+                for rank in leaving:
+                    if coord.leaving[rank] in gone_nodes and not coord.ended():
+                        caller = lin.callers.get(rank)
+                        if caller is not None:
+                            lin.gone.add(caller.id)
+                        coord.lose(rank, f"its node {coord.leaving[rank]} is gone (it was announced to go)")
             watched = []
             for rank in sorted(waiting):
                 if rank in coord.lost or rank in coord._closed:
@@ -516,6 +589,16 @@ class CoordinatorHost:
             f"{step}: rank {rank} of group '{group}' (operation {number} of this process) is refused: the "
             f"group's operation {', '.join(map(str, ops))} runs with ranks {ranks} in live processes of "
             f"another incarnation; {why}; that operation fails on every rank", {rank: "a second caller"})
+
+    async def _dead_nodes(self, nodes: set[str]) -> set[str]:
+        """Which of ``nodes`` Ray's node table says are dead (a node it does not know counts as alive)."""
+        import ray
+
+        try:
+            table = await asyncio.get_running_loop().run_in_executor(self.executor, ray.nodes)
+        except Exception:  # the table could not be read this time: the next look tries again
+            return set()
+        return {n["NodeID"] for n in table if n.get("NodeID") in nodes and not n.get("Alive", True)}
 
     async def _gone(self, callers: list[Caller], timeout_s: float) -> list[bool]:
         """Whether each caller's process is gone: waiting on an object it owns fails once it is (a live

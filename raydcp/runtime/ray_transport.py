@@ -78,10 +78,12 @@ def _as_buffer(buf: Any) -> pa.Buffer:
     return pa.py_buffer(buf)
 
 
-def open_transport(group: Group, *, host: str | None = None, survivors: bool = False) -> "RayTransport":
+def open_transport(group: Group, *, host: str | None = None, survivors: bool = False,
+                   leaving: dict | None = None) -> "RayTransport":
     """The transport of this rank's next operation of ``group`` (numbered per process).
-    ``survivors``: the operation goes on without ranks found lost (a survivors save)."""
-    return RayTransport(group, next_operation(group), host=host, survivors=survivors)
+    ``survivors``: the operation goes on without ranks found lost (a survivors save); ``leaving``:
+    the ranks announced to go, by node (``SaveOptions.leaving``)."""
+    return RayTransport(group, next_operation(group), host=host, survivors=survivors, leaving=leaving)
 
 
 class RayTransport(Transport):
@@ -92,10 +94,13 @@ class RayTransport(Transport):
     ``host``: the owner of the operation's state in the coordinator host, where it is not the
     group itself: a ShardGroup runs each operation under a fresh group name and releases all
     of them, by its own name, when it shuts down. ``survivors``: every call says the operation goes
-    on without ranks the host finds lost (their values stand in as ``raydcp.errors.RankLost``).
+    on without ranks the host finds lost (their values stand in as ``raydcp.errors.RankLost``);
+    ``leaving`` (``{node id: ranks}``, a survivors operation's): ranks announced to go, which the host
+    finds lost as soon as their node is gone, whether or not they called.
     """
 
-    def __init__(self, group: Group, op: int | Operation, *, host: str | None = None, survivors: bool = False):
+    def __init__(self, group: Group, op: int | Operation, *, host: str | None = None, survivors: bool = False,
+                 leaving: dict | None = None):
         number, caller = op if isinstance(op, Operation) else (op, this_caller(ray_group=group.world_size > 1))
         self.group = group
         self.op = number
@@ -112,20 +117,26 @@ class RayTransport(Transport):
             if caller.alive is None and caller.id == this_caller(ray_group=False).id:
                 caller = this_caller()  # numbered here before Ray was connected
         self._caller, self._named = caller, caller.named()
-        self._extra = {"survivors": True} if survivors else {}
+        self._extra: dict[str, Any] = {"survivors": True} if survivors else {}
+        if survivors and leaving:
+            self._extra["leaving"] = {str(node): tuple(ranks) for node, ranks in leaving.items()}
 
     @property
     def coordinator_name(self) -> str:
         return actors.host_name()
 
     # -- control plane --------------------------------------------------------
-    def reduce_scatter(self, step, local, reduce_fn):
+    def reduce_scatter(self, step, local, reduce_fn, *, optional=()):
+        """``optional`` (a survivors operation's): ranks the round does not wait for; it completes once
+        every other rank arrived, each of these missing then standing in as a ``RankLost`` (one that
+        comes later gets its reply all the same). Every rank passes the same."""
         self._check_open(step)
         self._seq += 1
         if self._coord is None:
             value = run_reduce(step, [local], reduce_fn)[0]
         else:
-            value = self._call(step, "reduce_scatter", local, reduce_fn)
+            value = self._call(step, "reduce_scatter", local, reduce_fn,
+                               extra={"optional": tuple(sorted(optional))} if optional else None)
         out = unwrap(value)
         # Every rank passed this barrier, so every consumer has copied what we sent.
         self._held.clear()
@@ -216,7 +227,7 @@ class RayTransport(Transport):
             raise CheckpointError(
                 f"{step}: the transport of group '{self.group.name}' operation {self.op} is closed")
 
-    def _call(self, step: str, method: str, value, *args):
+    def _call(self, step: str, method: str, value, *args, extra: dict | None = None):
         """One call to the coordinator: returns the rank's value (possibly a CheckpointError)."""
         if method == "reduce_scatter":  # exchange values hold ObjectRefs: Ray must see those itself
             try:
@@ -224,7 +235,7 @@ class RayTransport(Transport):
             except Exception:  # Ray's own pickling may still manage, or says why not below
                 pass
         for attempt in range(_FIRST_CALL_ATTEMPTS):
-            ref = self._submit(step, method, value, args)
+            ref = self._submit(step, method, value, args, extra)
             try:
                 return decode(ray.get(ref, timeout=self._timeout_s + _REPLY_GRACE_S))
             except rex.GetTimeoutError:
@@ -244,16 +255,17 @@ class RayTransport(Transport):
             except rex.RayTaskError as exc:
                 return CheckpointError(f"{step}: the coordinator host {self.coordinator_name!r} failed: {exc}")
 
-    def _submit(self, step: str, method: str, value, args) -> ray.ObjectRef:
+    def _submit(self, step: str, method: str, value, args, extra: dict | None = None) -> ray.ObjectRef:
         remote = getattr(self._coord, method).remote
         head = (self._key, self._timeout_s, self.rank, self.world_size, self._seq, step)
         caller = self._caller if self._seq == 1 else self._named  # the host binds the rank on its first call
+        kwargs = {**self._extra, **(extra or {})}
         try:
-            return remote(*head, value, *args, caller=caller, **self._extra)
+            return remote(*head, value, *args, caller=caller, **kwargs)
         except Exception as exc:  # the value could not be serialized: still take part, as a failure
             failure = RankFailure(self.rank, f"could not send its value to the coordinator: {type(exc).__name__}: {exc}")
-            extra = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
-            return remote(*head, failure, *extra, caller=caller, **self._extra)
+            no_fn = (None,) if method == "reduce_scatter" else ()  # a failure never reaches reduce_fn
+            return remote(*head, failure, *no_fn, caller=caller, **kwargs)
 
     def _host_died(self, step: str, exc: BaseException) -> CoordinatorLostError:
         cause = str(exc).strip().splitlines()

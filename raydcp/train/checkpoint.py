@@ -160,7 +160,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
             raise CheckpointError("an emergency save is synchronous (it commits before the deadline): "
                                   "drop async_save=True from save_on_preemption")
         name, group = checkpoint_dir_name(step, _emergency["nonce"]), worker_group(timeout_s)
-        save_options = SaveOptions(survivors=True)
+        save_options = SaveOptions(survivors=True, leaving=_emergency.get("leaving") or None)
     else:
         proposal = None
         if rank == 0:
@@ -214,7 +214,7 @@ def save(state_dict: Any, metrics: dict | None = None, *, step: int | None = Non
                                     "mode": "async" if async_save else "sync", "tier": "storage",
                                     "stall_seconds": stall}
     if _emergency is not None:
-        ours["emergency"] = {k: v for k, v in _emergency.items() if k != "nonce"}
+        ours["emergency"] = {k: v for k, v in _emergency.items() if k not in ("nonce", "leaving")}
         ours["emergency"]["committed_before_deadline_s"] = _before_deadline(_emergency)
         if not async_save:
             from ..engine.survivors import lost_ranks

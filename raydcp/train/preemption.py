@@ -10,7 +10,10 @@ The emergency save is a *survivors* save (``raydcp.SaveOptions(survivors=True)``
 preempted workers may be reclaimed before or while it runs, and it commits without them where
 the others hold every piece of the state (replicated state: DDP, HSDP's replicate groups).
 It makes no Ray Train collective (which would wait for the preempted workers too): every
-rank names the checkpoint directory from the preemption event itself. With ``memory=True``
+rank names the checkpoint directory from the preemption event itself. The notice's ranks are
+planned around from the start (``SaveOptions.leaving``): where the others hold replicas of what
+they hold they write nothing, and the commit waits only for the writers, so their death at any
+moment changes nothing; their node gone, they are left out at once even if they never called. With ``memory=True``
 it commits to the cluster's memory first (the fastest tier), then to the run's storage.
 
 Ray Train registers a checkpoint only once every worker reported it; where the preempted
@@ -68,12 +71,14 @@ def save_on_preemption(state_dict: Any, metrics: dict | None = None, *,
     if event in _handled:
         return False
     _handled.add(event)
-    ranks = sorted({r for rs in (getattr(info, "preempted_node_to_ranks", {}) or {}).values() for r in rs})
+    by_node = {str(node): sorted(rs) for node, rs in (getattr(info, "preempted_node_to_ranks", {}) or {}).items()}
+    ranks = sorted({r for rs in by_node.values() for r in rs})
     left = None if info.deadline_ms is None else info.deadline_ms / 1000.0 - time.time()
     save_kwargs.setdefault("wait_registered", True)  # registered before anything else can go wrong
     save_kwargs.setdefault("persist", True)  # with memory=True too: in storage before the node goes
     nonce = hashlib.sha256(repr(event).encode()).hexdigest()[:8]  # the same on every rank, no collective
-    emergency = {"deadline_ms": info.deadline_ms, "preempted_ranks": ranks, "seconds_left": left, "nonce": nonce}
+    emergency = {"deadline_ms": info.deadline_ms, "preempted_ranks": ranks, "seconds_left": left, "nonce": nonce,
+                 "leaving": by_node}  # planned around: they write nothing the others hold, the commit does not wait
     try:
         save(state_dict, metrics, _emergency=emergency, **save_kwargs)
     except StateNotCoveredError as exc:

@@ -102,3 +102,16 @@ def test_a_lost_rank_that_had_nothing_to_write_does_not_stop_the_commit(tmp_path
     assert idle, writers  # two tensors, four replicas: some rank writes nothing
     out = survivors_save(path, states, lost_after_plan=(idle[0],))
     assert lost_ranks(out[0]) == [idle[0]]
+
+
+def test_ranks_announced_to_go_are_given_nothing_to_write_where_the_others_hold_their_pieces(tmp_path):
+    path = str(tmp_path / "ckpt")
+    many = {r: {**replicated(r), **{f"t{i}": torch.full((4,), float(i)) for i in range(6)}} for r in range(4)}
+    values, _ = plan_values(path, many)
+    opts = plan_options(SaveOptions())
+    assert reduce_plan_survivors(opts, (path, None), values)[0][2] & {2, 3}  # unannounced, they would write
+    replies = reduce_plan_survivors(opts, (path, None), values, leaving=(2, 3))
+    assert replies[0][2] and not replies[0][2] & {2, 3} and replies[0][3] == ()
+    # sharded: ranks 2 and 3 alone hold rows 4-7, so they still write them
+    values, _ = plan_values(path, {r: sharded(r) for r in range(4)})
+    assert {2, 3} <= reduce_plan_survivors(opts, (path, None), values, leaving=(2, 3))[0][2]

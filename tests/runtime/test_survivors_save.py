@@ -33,7 +33,7 @@ class Worker:
         self.holding = threading.Event()
 
     def save(self, name: str, path: str, step: int, *, survivors: bool = True, sharded: bool = False,
-             bad: bool = False, hold: bool = False):
+             bad: bool = False, hold: bool = False, leaving: dict | None = None):
         if sharded:
             state = {"w": raydcp.Shard(torch.full((2, 4), float(self.rank + 100 * step)), (2 * self.rank, 0),
                                        (2 * WORLD, 4)), "step": step}
@@ -51,7 +51,8 @@ class Worker:
             engine.write_rank_files = stop
         group = raydcp.Group(name, self.rank, WORLD, timeout_s=60)
         try:
-            return raydcp.save(state, path, group=group, options=raydcp.SaveOptions(survivors=survivors))
+            return raydcp.save(state, path, group=group,
+                               options=raydcp.SaveOptions(survivors=survivors, leaving=leaving))
         except raydcp.CheckpointError as exc:
             return exc
 
@@ -83,13 +84,14 @@ def saves(group, path, step, **kw) -> list:
     return [w.save.remote(name, path, step, **kw) for w in workers]
 
 
-def save_holding(group, path, step, **kw) -> list:
-    """Ranks 0-2 save, rank 3 stops once it has its plan and is killed there."""
+def save_holding(group, path, step, kill=True, **kw) -> list:
+    """Ranks 0-2 save, rank 3 stops once it has its plan (and is killed there)."""
     name, workers = group
     refs = [w.save.remote(name, path, step, **kw) for w in workers[:3]]
     workers[3].save.remote(name, path, step, hold=True, **kw)
     assert ray.get(workers[3].wait_holding.remote(60))
-    ray.kill(workers[3])
+    if kill:
+        ray.kill(workers[3])
     return refs
 
 
@@ -107,6 +109,19 @@ def test_replicated_state_commits_without_a_rank_killed_during_the_save(group, t
     for k, v in replicated(2).items():
         if k != "step":
             assert torch.equal(state[k], v), k
+
+
+def test_a_rank_announced_to_go_writes_nothing_and_the_commit_does_not_wait_for_it(group, tmp_path):
+    path = str(tmp_path / "ckpt")
+    leaving = {"node-b": [3]}  # a preemption notice's ranks: rank 3 stops after its plan, alive
+    out = ray.get(save_holding(group, path, 2, leaving=leaving, kill=False), timeout=120)
+    for md in out:
+        assert isinstance(md, raydcp.Metadata), md
+    assert lost_ranks(out[0]) == [3]  # committed without it, while it lives
+    ray.kill(group[1][3])
+    state = {k: torch.zeros(4, 4) for k in KEYS} | {"step": None}
+    raydcp.load(state, path)
+    assert state["step"] == 2 and all(torch.equal(state[k], replicated(2)[k]) for k in KEYS)
 
 
 def test_a_rank_dead_before_the_save_is_left_out_at_once(group, tmp_path):

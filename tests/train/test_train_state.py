@@ -161,9 +161,11 @@ def test_save_on_preemption_saves_once_per_announced_event(monkeypatch):
         deadline_ms=1, preempted_node_to_ranks={"n3": [1]}), memory=True, persist=False)  # the caller decides
     assert calls.pop()[1]["persist"] is False
     assert kw1["_emergency"]["preempted_ranks"] == [2, 3] and kw1["_emergency"]["seconds_left"] > 0
+    assert kw1["_emergency"]["leaving"] == {"n1": [2, 3]}  # planned around by the save (SaveOptions.leaving)
     nonce = kw2["_emergency"].pop("nonce")  # names the directory on every rank alike, one per event
     assert len(nonce) == 8 and int(nonce, 16) >= 0 and nonce != kw1["_emergency"]["nonce"]
-    assert kw2["_emergency"] == {"deadline_ms": None, "preempted_ranks": [0], "seconds_left": None}
+    assert kw2["_emergency"] == {"deadline_ms": None, "preempted_ranks": [0], "seconds_left": None,
+                                 "leaving": {"n2": [0]}}
 
 
 def test_an_emergency_save_leaves_out_only_rng_rows_the_lost_ranks_held(monkeypatch):
