@@ -3,7 +3,9 @@
 A save with ``SaveOptions(base=...)`` runs the save protocol as usual; in the write step each rank
 (:func:`split_reused`):
 
-1. hashes every piece it was planned to write (xxh3-128 of its bytes, threads in parallel);
+1. hashes every piece it was planned to write (:data:`DIGEST`: xxh3-128 of its bytes, pieces over
+   16 MiB as the xxh3-128 of their 16 MiB blocks' digests, so that every block of every piece is
+   hashed in parallel, by as many threads as there are cores, the rank's smallest files first);
 2. looks the piece up in the base: the same tensor and box, a chunk whose digest (recorded by the
    save that wrote it, in its *digest file*) equals the new one. Unchanged is decided by content
    only: a changed byte changes the digest, and a chunk without a recorded digest is written;
@@ -30,6 +32,7 @@ import posixpath
 import struct
 import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -44,6 +47,7 @@ from ..planner.save import ALIGN
 from ..storage import CheckpointStorage
 from ..storage import references as refs
 from ..storage.retention import list_committed
+from . import written_pages
 from .save_records import StorageRecord
 
 __all__ = ["PROCESS_WRITER", "writer_of", "DeltaBase", "resolve_base", "DeltaWrite", "digest_file_name",
@@ -56,6 +60,12 @@ PROCESS_WRITER = os.environ.get(_WRITER_ENV) or f"process-{uuid.uuid4().hex}"
 _MAGIC = b"RAYDCPX\n"
 _PREFIX = struct.Struct("<8sIQ")  # magic, CRC32C of the body, body length
 _LAST: dict[tuple[str, str], str] = {}
+DIGEST = "xxh3-128/16MiB"
+"""How a piece's digest is made (the digest file's ``digest``): the xxh3-128 of its bytes, or for a
+piece over :data:`DIGEST_BLOCK` bytes the xxh3-128 of the concatenated xxh3-128 digests of its
+blocks of :data:`DIGEST_BLOCK` bytes (the last one shorter). A digest file made another way (no
+``digest`` in its header: whole pieces) is not compared with."""
+DIGEST_BLOCK = 16 << 20
 _log = logging.getLogger(__name__)  # (parent url, writer) -> the last checkpoint this process saw it commit
 
 
@@ -77,7 +87,7 @@ def digest_file_name(first_file: str) -> str:
 
 
 def _encode_digests(writer: str, save_id: str, files: Sequence[str], offsets: np.ndarray, digests: bytes) -> bytes:
-    head = json.dumps({"writer": writer, "save_id": save_id, "files": list(files)}).encode()
+    head = json.dumps({"writer": writer, "save_id": save_id, "files": list(files), "digest": DIGEST}).encode()
     body = struct.pack("<I", len(head)) + head + offsets.astype("<i8").tobytes() + digests
     return _PREFIX.pack(_MAGIC, checksum(body), len(body)) + body
 
@@ -121,6 +131,7 @@ class DeltaBase:
         self._digests: dict[tuple[str, int], bytes] | None = None
         self._names: list[str] | None = None  # the base's digest files
         self._read_all = False
+        self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
@@ -153,15 +164,16 @@ class DeltaBase:
         (resolved, so the digests recorded by the save that wrote a file and by later deltas agree),
         or None. Rank ``rank``'s own digest files are read first (a rank of an unchanged layout finds
         all its pieces there); the other ranks' only on a miss."""
-        if self._digests is None:
-            self._digests, self._read_all = {}, False
-            self._load(lambda n: n.rsplit("/", 1)[-1].startswith(f"r{rank:05d}-"))
-        got = self._digests.get((path, byte_offset))
-        if got is None and not self._read_all:
-            self._read_all = True
-            self._load(lambda n: not n.rsplit("/", 1)[-1].startswith(f"r{rank:05d}-"))
+        with self._lock:  # files are decided in several threads: one loads, the others wait for it
+            if self._digests is None:
+                self._digests, self._read_all = {}, False
+                self._load(lambda n: n.rsplit("/", 1)[-1].startswith(f"r{rank:05d}-"))
             got = self._digests.get((path, byte_offset))
-        return got
+            if got is None and not self._read_all:
+                self._read_all = True
+                self._load(lambda n: not n.rsplit("/", 1)[-1].startswith(f"r{rank:05d}-"))
+                got = self._digests.get((path, byte_offset))
+            return got
 
     def _load(self, which: Callable[[str], bool]) -> None:
         sid = self.metadata.save_id.split("/", 1)[0]
@@ -173,26 +185,49 @@ class DeltaBase:
             except CheckpointError as exc:  # its pieces are written again, never guessed
                 _log.warning("%s; the pieces it covers are written in full by this save", exc)
                 continue
+            if head.get("digest") != DIGEST:  # made another way: never equal by construction, so not read
+                _log.info("digest file %s was made as %r, not %r: the pieces it covers are written in full",
+                          self.storage.file_url(name), head.get("digest", "xxh3-128"), DIGEST)
+                continue
             files = [refs.resolve(self.storage.path, str(f)) for f in head.get("files", [])]
             for (f, off), d in zip(rows.tolist(), digs):
                 if 0 <= f < len(files):
                     self._digests[(files[f], off)] = d.tobytes()
 
 
-def _piece_digest(source: Any, nbytes: int, read: Callable | None, step: int) -> bytes:
-    if read is None:
-        t = source.detach()
-        if not t.is_cpu:
-            t = t.cpu()
-        view = memoryview(t.contiguous().reshape(-1).view(_uint8()).numpy())
-        return xxhash.xxh3_128_digest(view)
-    h = xxhash.xxh3_128()
-    buf = np.empty(min(step, max(nbytes, 1)), np.uint8)
-    for s in range(0, nbytes, step):
-        e = min(s + step, nbytes)
-        read(s, e - s, buf.ctypes.data)
-        h.update(memoryview(buf)[: e - s])
-    return h.digest()
+def _hash_blocks(view: memoryview, first: int, last: int) -> list[bytes]:
+    """The digests of blocks ``first``..``last - 1`` of ``view``."""
+    return [xxhash.xxh3_128_digest(view[b * DIGEST_BLOCK:(b + 1) * DIGEST_BLOCK]) for b in range(first, last)]
+
+
+def _read_blocks(read: Callable[[int, int, int], None], nbytes: int, first: int, last: int) -> list[bytes]:
+    """The digests of blocks ``first``..``last - 1`` of a piece read through ``read(start, nbytes,
+    address)`` (a piece held by another process)."""
+    buf = np.empty(min(DIGEST_BLOCK, max(nbytes, 1)), np.uint8)
+    out = []
+    for b in range(first, last):
+        s, e = b * DIGEST_BLOCK, min((b + 1) * DIGEST_BLOCK, nbytes)
+        if e > s:
+            read(s, e - s, buf.ctypes.data)
+        out.append(xxhash.xxh3_128_digest(memoryview(buf)[: e - s]))
+    return out
+
+
+def _block_count(nbytes: int) -> int:
+    return max(1, -(-nbytes // DIGEST_BLOCK))
+
+
+def _combine(nbytes: int, blocks: Sequence[bytes]) -> bytes:
+    """A piece's digest (:data:`DIGEST`) from its blocks' digests."""
+    return blocks[0] if nbytes <= DIGEST_BLOCK else xxhash.xxh3_128_digest(b"".join(blocks))
+
+
+def _host_bytes(source: Any) -> memoryview:
+    """The raw bytes of a tensor in host memory (copied there if it is on a device or not contiguous)."""
+    t = source.detach()
+    if not t.is_cpu:
+        t = t.cpu()
+    return memoryview(t.contiguous().reshape(-1).view(_uint8()).numpy())
 
 
 def _uint8():
@@ -286,10 +321,29 @@ def remember_commit(storage: CheckpointStorage, writer: str) -> None:
     _LAST[(parent.url, writer)] = storage.url
 
 
+_TRACK_MIN = 1 << 20  # smaller pieces are hashed, not tracked: hashing them costs less than a registration
+_KNOWN_MAX = 1 << 16
+_KNOWN: dict[tuple[int, int], tuple[int, list[bytes]]] = {}  # (address, bytes) -> (scan, its blocks' digests)
+_known_lock = threading.Lock()
+
+
+def _remember(key: tuple[int, int], epoch: int, blocks: list[bytes]) -> None:
+    with _known_lock:
+        _KNOWN.pop(key, None)
+        _KNOWN[key] = (epoch, blocks)
+        while len(_KNOWN) > _KNOWN_MAX:
+            del _KNOWN[next(iter(_KNOWN))]
+
+
 class DeltaWrite:
     """Steps 1-3 of one rank's write step of a delta save, file by file, so that a file's pieces
     are decided (hashed, looked up) and the ones that changed written while the next file's are
-    hashed: ``decide`` per planned file (from any thread), then ``finish`` once.
+    hashed: ``hash`` once with the planned files in the order they will be decided, ``decide``
+    per planned file (from any thread), then ``finish`` once (``close`` in any case).
+
+    Hashing runs in its own threads, as many as there are cores (it is CPU- and memory-bound), over
+    blocks of :data:`DIGEST_BLOCK` bytes in the order the files are decided: a large piece is hashed
+    by every core at once, and a file's decision waits only for its own pieces' blocks.
 
     Every base directory the rank may reference is pinned first, with the base's files there,
     and kept only if it is not being removed and its files are all still there; ``finish``
@@ -298,14 +352,15 @@ class DeltaWrite:
     """
 
     def __init__(self, storage: CheckpointStorage, base: DeltaBase | None, rank: int, save_id: str,
-                 items: Sequence, sources: Sequence | None, read: Callable[[str, int, int, int, int], None] | None,
-                 step: int):
+                 items: Sequence, sources: Sequence | None, read: Callable[[str, int, int, int, int], None] | None):
         self.storage, self.base, self.rank, self.save_id = storage, base, rank, save_id
-        self.items, self.sources, self.read, self.step = items, sources, read, step
+        self.items, self.sources, self.read = items, sources, read
         self.digests: dict[int, bytes] = {}
-        # hashing is CPU-bound: as many files hashed at once as there are cores, so a file decided
-        # early is written (I/O) while the others are hashed, not after every hash has shared the CPU
-        self._hashing = threading.Semaphore(max(1, min(len(os.sched_getaffinity(0)), 8)))
+        self._threads = max(1, min(len(os.sched_getaffinity(0)), 8))
+        self._hashing = ThreadPoolExecutor(self._threads, thread_name_prefix="raydcp-hash")
+        self._blocks: dict[int, list[Future]] = {}  # item -> its blocks' digests, in runs of blocks
+        self._tracked: dict[int, tuple[int, int]] = {}  # item -> (address, bytes): its digest is remembered
+        self._epoch = 0  # the write-tracking scan this save's digests are as of
         self.reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file named from the new checkpoint
         self.owners: dict[str, CheckpointStorage] = {}  # pinned owner (relative to the new checkpoint) -> its storage
         self.pinned: dict[str, set[str]] = {}  # the files each pin names now
@@ -337,14 +392,68 @@ class DeltaWrite:
         except CheckpointError:
             pass  # a pin left behind keeps files longer, never fewer
 
+    def hash(self, files: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Start hashing the pieces of ``files`` (name, items), in this order, block by block.
+
+        For a piece in this process's memory, the kernel's write tracking
+        (:mod:`raydcp.engine.written_pages`) says which of its blocks nobody wrote since this
+        process last hashed them: those keep their digests and are not read."""
+        tracking = written_pages.tracker() if self.sources is not None else None
+        self._epoch = tracking.scan() if tracking is not None else 0
+        for name, ids in files:
+            for i in ids:
+                known = self._known(tracking, i) if tracking is not None else None
+                self._blocks[i] = self._submit(name, i, known)
+
+    def _known(self, tracking: written_pages.WrittenPages, i: int) -> list[bytes | None] | None:
+        """Piece ``i``'s block digests that still hold (None where a block must be hashed), or None
+        when it is not tracked; a trackable piece is tracked from now on (its digests remembered
+        once hashed)."""
+        src, nbytes = self.sources[i], self.items[i].nbytes
+        if nbytes < _TRACK_MIN or not written_pages.trackable(src):
+            return None
+        key = (src.data_ptr(), nbytes)
+        if not tracking.track(*key):
+            return None
+        self._tracked[i] = key
+        with _known_lock:
+            epoch, blocks = _KNOWN.get(key, (0, None))
+        if blocks is None or len(blocks) != _block_count(nbytes):
+            return [None] * _block_count(nbytes)
+        return [d if tracking.unchanged_since(key[0] + b * DIGEST_BLOCK, min(DIGEST_BLOCK, nbytes - b * DIGEST_BLOCK),
+                                              epoch) else None for b, d in enumerate(blocks)]
+
+    def _submit(self, name: str, i: int, known: list[bytes | None] | None = None) -> list[Future | bytes]:
+        """Piece ``i``'s blocks' digests: the ``known`` ones, and futures of lists of the others'."""
+        nbytes = self.items[i].nbytes
+        count = _block_count(nbytes)
+        if self.read is not None:
+            def read(s: int, n: int, a: int, _i: int = i) -> None:
+                self.read(name, _i, s, n, a)
+
+            runs = min(count, self._threads)  # a buffer of a block each
+            bounds = [count * r // runs for r in range(runs + 1)]
+            return [self._hashing.submit(_read_blocks, read, nbytes, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        src = self.sources[i]
+        if not src.is_cpu or not src.is_contiguous():  # one copy to host, then its blocks in turn
+            return [self._hashing.submit(lambda: _hash_blocks(_host_bytes(src), 0, count))]
+        view = _host_bytes(src)  # a view, no copy
+        known = known or [None] * count
+        return [d if d is not None else self._hashing.submit(_hash_blocks, view, b, b + 1) for b, d in enumerate(known)]
+
+    def close(self) -> None:
+        """Stop hashing (what was not started is dropped)."""
+        self._hashing.shutdown(wait=True, cancel_futures=True)
+
     def decide(self, name: str, ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """The items of planned file ``name`` to write, and their byte offsets in it laid out again."""
         items = self.items
         for i in ids:
-            src = None if self.sources is None else self.sources[i]
-            rd = None if self.read is None else (lambda s, n, a, _i=i: self.read(name, _i, s, n, a))
-            with self._hashing:
-                d = self.digests[i] = _piece_digest(src, items[i].nbytes, rd, self.step)
+            parts = self._blocks.pop(i, None) or self._submit(name, i)
+            blocks = [b for p in parts for b in ((p,) if isinstance(p, bytes) else p.result())]
+            d = self.digests[i] = _combine(items[i].nbytes, blocks)
+            if i in self._tracked:  # every block as of this save's scan (the known ones: unwritten since)
+                _remember(self._tracked.pop(i), self._epoch, blocks)
             if self.base is None:
                 continue
             it = items[i]

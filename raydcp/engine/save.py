@@ -207,7 +207,7 @@ def _write_delta(storage: CheckpointStorage, plan: RankWritePlan, planned: list[
     in ``io.write_threads`` threads; the reused ones recorded as references; the digest file last."""
     items = staged.plan.items
     sources = staged.sources() if read is None else None
-    work = DeltaWrite(storage, delta.base, plan.rank, plan.save_id, items, sources, read, io.write_bytes)
+    work = DeltaWrite(storage, delta.base, plan.rank, plan.save_id, items, sources, read)
     sizes = [it.nbytes for it in items]
     crcs: list[Any] = [None] * len(items)
     blocks: list[tuple[int, ...]] = [()] * len(items)
@@ -224,8 +224,12 @@ def _write_delta(storage: CheckpointStorage, plan: RankWritePlan, planned: list[
     # the smallest files first: the pieces that changed (adapters, optimizer state) are written while
     # the large unchanged ones are still being hashed
     by_size = sorted(planned, key=lambda layout: sum(sizes[i] for i in layout[1]))
-    with ThreadPoolExecutor(max(1, min(io.write_threads, len(planned)))) as pool:
-        done = {layout[0]: layout for layout in pool.map(one, by_size)}
+    try:
+        work.hash([(name, ids) for name, ids, _ in by_size])
+        with ThreadPoolExecutor(max(1, min(io.write_threads, len(planned)))) as pool:
+            done = {layout[0]: layout for layout in pool.map(one, by_size)}
+    finally:
+        work.close()
     kept = [done[name] for name, _, _ in planned if done[name][1]]  # in the plan's order
     if compression is None:
         written = StorageRecord.written(staged.plan, kept, crcs, blocks)
