@@ -216,7 +216,7 @@ class WrittenPages:
                 if self._libc.ioctl(self._uffd, _UFFDIO_WRITEPROTECT, ctypes.byref(wp)) < 0:
                     return False
                 k = bisect.bisect(self._starts, s)
-                self._regions.insert(k, _Region(s, e, np.full((e - s) // _PAGE, self.epoch, np.int64)))
+                self._regions.insert(k, _Region(s, e, np.full((e - s) // _PAGE, self.epoch, np.int32)))
                 self._starts.insert(k, s)
             return True
 
