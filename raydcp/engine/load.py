@@ -78,7 +78,8 @@ def _reduce_load_plan(checkpoint_id: str, storage_options: dict | None, requests
     state back to Stateful objects, Modules or optimizers); each gets back (its RankLoadPlan, its
     Skipped, the group's Skipped: every rank's state-dict-only keys, the compressed pieces of the
     files it reads or None, whether any rank hands state back: then the load ends with a
-    "load: commit" step, see :func:`load_with`). ``cache``: the group's
+    "load: commit" step, see :func:`load_with`; whether any rank sends pieces to another: else
+    the load has no "load: exchange" step). ``cache``: the group's
     :class:`~raydcp.planner.PlanCache`, where the coordinator keeps one."""
     return _plan_loads(read_metadata(checkpoint_id, storage_options), requests, cache)
 
@@ -107,14 +108,15 @@ def _plan_loads(md: Metadata, requests: Sequence[tuple], cache=None) -> list:
                       cache=cache)
     compressed = [packed.for_plan(p) if packed else None for p in plans]
     commit = any(len(r) > 2 and r[2] for r in requests)
+    exchange = any(p.incoming for p in plans)
     if all(lp.strict for lp in local_plans):
-        return [(p, None, None, c, commit) for p, c in zip(plans, compressed)]
+        return [(p, None, None, c, commit, exchange) for p, c in zip(plans, compressed)]
     stored = set(available) | set(values)
     wanted = [set(lp.tensors) | set(lp.values) for lp in local_plans]
     ckpt_only = tuple(sorted(stored.difference(*wanted)))
     mine = [tuple(sorted(w - stored)) for w in wanted]
     group = Skipped(ckpt_only, tuple(sorted(set().union(*mine))))
-    return [(p, Skipped(ckpt_only, m), group, c, commit) for p, m, c in zip(plans, mine, compressed)]
+    return [(p, Skipped(ckpt_only, m), group, c, commit, exchange) for p, m, c in zip(plans, mine, compressed)]
 
 
 def _param_orders(per_rank) -> dict[str, tuple[str, ...]]:
@@ -141,13 +143,17 @@ def _warn_skipped(checkpoint_id: str, skipped: Skipped | None) -> None:
 
 
 def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: ChunkReader,
-             written: list[str] | None = None, before: Callable[[], None] | None = None) -> int:
+             written: list[str] | None = None, before: Callable[[], None] | None = None,
+             staged: bool = False, exchange: bool = True) -> int:
     """Steps 3-5 of a load: read and deliver, exchange, finish together. Returns bytes read.
     ``before()`` runs first (a failure of it fails the step like a read's); ``written``: see
-    :class:`~raydcp.engine.reads.Deliverer`."""
+    :class:`~raydcp.engine.reads.Deliverer`. ``staged``: a two-phase load (the Deliverer's
+    ``staged``, the reader's too where it has one): the tensors are written only once the
+    finish step has passed, which every rank passes or none. ``exchange``: whether any rank of
+    the group sends pieces to another (every rank's plan says the same); without, no exchange step."""
     rank = transport.rank
     leaves = [flat.tensors[k] for k in sorted(flat.tensors)]
-    out = Deliverer(rank, leaves, written)
+    out = Deliverer(rank, leaves, written, staged=staged)
     failure: Any = None
     nread = 0
     try:
@@ -156,7 +162,14 @@ def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: 
         nread = reader.read_all(plan.reads, out)
     except Exception as exc:  # still take part in the exchange, so no rank waits forever
         failure = RankFailure.from_exception(rank, exc)
-    incoming = transport.exchange("load: exchange", out.outgoing)
+    if exchange:
+        incoming = transport.exchange("load: exchange", out.outgoing)
+    else:
+        incoming = []
+        if failure is None and out.outgoing:
+            failure = RankFailure.from_exception(rank, CheckpointError(
+                f"rank {rank} has pieces for ranks {sorted(out.outgoing)}, but the load plan has no exchange; "
+                f"this is a bug in the load plan"))
     if failure is None:
         try:
             for tag, buf in incoming:
@@ -169,7 +182,25 @@ def _execute(transport: Transport, plan: RankLoadPlan, flat: FlatState, reader: 
     # verifies the checksum blocks that several ranks read in shares (joint reads)
     shares = getattr(reader, "shares", None) or []
     transport.reduce_scatter("load: finish", failure if failure is not None else shares, _all_done)
+    if staged:
+        _apply(out, rank)
     return nread
+
+
+def _apply(out: Deliverer, rank: int) -> None:
+    """Phase 2 of a staged load (:meth:`Deliverer.apply`): copies of verified bytes of the right
+    sizes into memory the state dict has, which fail only where the memory itself does (a
+    device lost); such a failure names what this rank may have written."""
+    keys = sorted({key for key, _, _ in out.pending or ()})
+    try:
+        out.apply()
+    except Exception as exc:
+        err = CheckpointError(
+            f"rank {rank}: copying the verified pieces into the state dict's tensors failed after every rank "
+            f"had verified its own ({type(exc).__name__}: {exc}); tensors of this rank may hold a mix of "
+            f"states: {', '.join(keys[:_KEYS_SHOWN])}{' ...' if len(keys) > _KEYS_SHOWN else ''}")
+        err.written_keys = tuple(keys)
+        raise err from exc
 
 
 def _all_done(values: list) -> list:
@@ -245,6 +276,14 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     no copy, and the error names the keys this rank had written (``written_keys``). ``fresh``:
     the state dict is new and its caller drops it when the load fails (no copy, nothing named).
 
+    From storage whose reads are views of memory it holds (``CheckpointStorage.memory_reads``:
+    ``raymem://``) the load is in two phases: steps 3-5 read and verify every piece and
+    write nothing into the tensors; each rank copies its pieces in once step 5 has passed
+    (every rank's pieces verified), which cannot fail for the data's sake. A failure up to
+    step 5 then leaves the tensors untouched without any copy of them; the undo copy is
+    taken only where step 6 can still fail after the tensors are written (some rank hands
+    state back to Stateful objects, Modules or optimizers).
+
     With ``strict=False`` the result names the keys skipped, and rank 0 logs them (all ranks'
     together) in one warning unless ``warn_skipped`` is False (internal partial loads).
     ``options.io`` sizes this rank's reads (:class:`~raydcp.engine.reads.FileChunkReader`).
@@ -261,16 +300,17 @@ def load_with(transport: Transport, state_dict: dict, checkpoint_id: str, *, str
     copies: list = []
     written = None if options.atomic or fresh else []
     try:
-        plan, skipped, group_skipped, compressed, commit = transport.reduce_scatter(
+        plan, skipped, group_skipped, compressed, commit, exchange = transport.reduce_scatter(
             "load: plan", local, Reusing(_reduce_load_plan, checkpoint_id, storage_options))
+        storage = CheckpointStorage(checkpoint_id, storage_options)
+        staged = storage.memory_reads
         before = None
-        if options.atomic and not fresh:
+        if options.atomic and not fresh and (commit or not staged):
             def before():
                 copies.append(_undo_copy(flat, _filled(flat, skipped)))
-        storage = CheckpointStorage(checkpoint_id, storage_options)
         try:
-            nread = _execute(transport, plan, flat, FileChunkReader(storage, options.io, compressed), written,
-                             before)
+            reader = FileChunkReader(storage, options.io, compressed, staged=staged)
+            nread = _execute(transport, plan, flat, reader, written, before, staged, exchange)
         finally:
             storage.close()
         _hand_back(transport, flat, dict(plan.values), commit)

@@ -5,7 +5,7 @@ import abc
 import bisect
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import crc32c
 import numpy as np
@@ -40,14 +40,42 @@ class Deliverer:
     """Puts delivered parts into this rank's tensors, or queues them for other ranks.
 
     ``written``: None, or a list the readers add a key to before they write into its tensor's
-    memory (a load that is not atomic names them when it fails)."""
+    memory (a load that is not atomic names them when it fails).
 
-    def __init__(self, rank: int, leaves: Sequence[TensorLeaf], written: list[str] | None = None):
+    ``staged``: a two-phase load. Nothing is written into this rank's tensors while the pieces
+    are read, verified and exchanged: each part this rank keeps is queued (:meth:`stage`, with
+    the verified source bytes it comes from), and :meth:`apply` copies them all in once every
+    rank has verified its own (after the load's finish step). Copying verified bytes of the
+    right size into memory the state dict already has cannot fail for the data's sake, so a
+    load that fails leaves the tensors untouched without an undo copy. The sources must stay
+    as they are until then: views of memory the storage holds (the memory tier's objects),
+    buffers received from other ranks, or a live group's tensors."""
+
+    def __init__(self, rank: int, leaves: Sequence[TensorLeaf], written: list[str] | None = None,
+                 staged: bool = False):
         self.rank = rank
         self.leaves = leaves
         self.outgoing: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         self.received = 0
         self.written = written
+        self.pending: list[tuple[str, torch.Tensor, Any]] | None = [] if staged else None
+
+    def stage(self, key: str, dest: torch.Tensor, src: Any) -> None:
+        """Queue the copy of ``src`` (a tensor of ``dest``'s shape, or the bytes of a host-dense
+        ``dest``) into ``dest``, part of the tensor ``key``, for :meth:`apply`."""
+        self.pending.append((key, dest, src))
+
+    def apply(self) -> None:
+        """Phase 2 of a staged load: copy every queued part into this rank's tensors."""
+        pending, self.pending = self.pending or [], []
+        written = self.written
+        for key, dest, src in pending:
+            if written is not None:
+                written.append(key)
+            if isinstance(src, torch.Tensor):
+                dest.copy_(src)
+            else:  # verified bytes of a whole host-dense destination
+                np.copyto(_host_bytes(dest), np.frombuffer(src, np.uint8))
 
     def direct(self, d: Delivery, nbytes: int) -> torch.Tensor | None:
         """The memory that delivery ``d`` (of ``nbytes``) fills, when it is this rank's, on the
@@ -74,6 +102,9 @@ class Deliverer:
     def deliver(self, d: Delivery, src: torch.Tensor) -> None:
         if d.rank == self.rank:
             leaf = self.leaves[d.item]
+            if self.pending is not None:
+                self.pending.append((leaf.fqn, _region(leaf, d.offsets, d.sizes), src))
+                return
             if self.written is not None:
                 self.written.append(leaf.fqn)
             _region(leaf, d.offsets, d.sizes).copy_(src)
@@ -83,9 +114,14 @@ class Deliverer:
     def accept(self, tag: Any, buf: Any) -> None:
         item, offsets, sizes = tag
         leaf = self.leaves[item]
+        src = tensor_from_bytes(buf, leaf.dtype, tuple(sizes))
+        if self.pending is not None:
+            self.pending.append((leaf.fqn, _region(leaf, offsets, sizes), src))
+            self.received += 1
+            return
         if self.written is not None:
             self.written.append(leaf.fqn)
-        _region(leaf, offsets, sizes).copy_(tensor_from_bytes(buf, leaf.dtype, tuple(sizes)))
+        _region(leaf, offsets, sizes).copy_(src)
         self.received += 1
 
 
@@ -153,13 +189,21 @@ class FileChunkReader(ChunkReader):
     The pieces ``compressed`` names (:class:`~raydcp.engine.compressed.CompressedPieces`) are
     each read whole, verified and decompressed (:func:`~raydcp.engine.compressed.read_compressed`),
     ``io.read_threads`` at a time, and their parts delivered from the decompressed bytes.
+
+    ``staged`` (for a :class:`Deliverer` made with ``staged=True``): the first phase of a
+    two-phase load, for storage whose reads are views of memory it holds
+    (``storage.memory_reads``: the memory tier). Every chunk is fetched as views of the source
+    (one request per file), verified there (large chunks' blocks in ``io.read_threads``
+    threads), and its parts staged on the Deliverer; nothing is written into the tensors.
     """
 
-    def __init__(self, storage, io: IOOptions = DEFAULT_IO, compressed: CompressedPieces | None = None):
+    def __init__(self, storage, io: IOOptions = DEFAULT_IO, compressed: CompressedPieces | None = None,
+                 staged: bool = False):
         self.storage = storage
         self.io = io
         self.compressed = compressed if compressed else None
         self.shares: list[tuple] = []
+        self.staged = staged
 
     def read_all(self, reads: Iterable[ChunkRead], out: Deliverer) -> int:
         """Read a rank's chunks (see :meth:`_read_all`).
@@ -221,6 +265,8 @@ class FileChunkReader(ChunkReader):
             packed = [cr for cr in rest if self._packed(cr.source) is not None]
             rest = [cr for cr in rest if self._packed(cr.source) is None] if packed else rest
         nread = sum(e[1] for chunks in small.values() for e in chunks) + sum(ch.nbytes for ch, _ in large)
+        if out.pending is not None:
+            return nread + self._stage_all(small, large, rest, packed, resolve, out)
         tasks = len(large) + len(packed)
         pool = ThreadPoolExecutor(min(io.read_threads, tasks), thread_name_prefix="raydcp-read") if tasks else None
         task = io.read_task_bytes
@@ -236,11 +282,46 @@ class FileChunkReader(ChunkReader):
                 nread += self.read(cr, out)
             nread += sum(f.result() for f in unpacked)
             for ch, futures in pending:
-                parts = [f.result() for f in futures]
-                if ch.block_checksums and ch.checksum is not None:
-                    blocks = [b for p in parts for b in p]
-                    if combine_block_checksums(blocks, ch.nbytes, BLOCK_BYTES) != ch.checksum:
-                        raise _mismatch(ch, 0, ch.nbytes)
+                self._check_blocks(ch, [f.result() for f in futures])
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        return nread
+
+    def _stage_all(self, small: dict, large: list, rest: list, packed: list, resolve, out: Deliverer) -> int:
+        """Phase 1 of a staged load (see the class doc) over :meth:`_read_all`'s sorted reads;
+        returns the bytes read beside the whole chunks'."""
+        task = self.io.read_task_bytes
+        by_file: dict[str, list[tuple]] = {}  # (byte offset, nbytes, chunk or None, destination, ref, checksum)
+        for name, chunks in small.items():
+            by_file.setdefault(name, []).extend((off, nb, None, dest, ref, crc) for off, nb, crc, dest, ref in chunks)
+        for ch, dest in large:
+            by_file.setdefault(ch.file, []).append((ch.byte_offset, ch.nbytes, ch, dest, None, ch.checksum))
+        big = sum(1 for ch, _ in large for _ in range(0, ch.nbytes, task)) + len(packed)
+        pool = ThreadPoolExecutor(min(self.io.read_threads, big), thread_name_prefix="raydcp-read") if big else None
+        crc = crc32c.crc32c
+        try:
+            unpacked = [pool.submit(self._read_packed, cr, out) for cr in packed]
+            checks = []
+            for name, entries in by_file.items():
+                try:
+                    views = self.storage.read_ranges(name, [(e[0], e[0] + e[1]) for e in entries])
+                except CheckpointError as exc:
+                    first = entries[0][2] or (resolve(entries[0][4]) if resolve else entries[0][4])
+                    raise _keyed(exc, first.key) from None
+                for (_, nb, ch, dest, ref, expected), view in zip(entries, views):
+                    if ch is None:  # a small chunk: verified here
+                        ch = resolve(ref) if resolve else ref
+                        if expected is not None and crc(view) != expected:
+                            raise _mismatch(ch, 0, nb)
+                    else:
+                        checks.append((ch, [pool.submit(self._check_range, ch, view, s, min(s + task, nb))
+                                            for s in range(0, nb, task)]))
+                    out.stage(ch.key, dest, view)
+            nread = self._stage_rest(rest, out)
+            nread += sum(f.result() for f in unpacked)
+            for ch, futures in checks:
+                self._check_blocks(ch, [f.result() for f in futures])
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -288,18 +369,22 @@ class FileChunkReader(ChunkReader):
         verify them: block by block where the chunk has block checksums (their CRCs are returned,
         to be combined into the chunk's), else the whole chunk against its checksum. ``written``:
         see :class:`Deliverer`."""
-        part = view[start:end]
         if written is not None:
             written.append(ch.key)
         try:
-            self.storage.read_into(ch.file, ch.byte_offset + start, part)
+            self.storage.read_into(ch.file, ch.byte_offset + start, view[start:end])
         except CheckpointError as exc:
             raise _keyed(exc, ch.key) from None
+        return self._check_range(ch, view, start, end)
+
+    @staticmethod
+    def _check_range(ch, view: memoryview, start: int, end: int) -> list[int]:
+        """Verify bytes [start, end) of chunk ``ch``, whose bytes ``view`` holds (see :meth:`_read_part`)."""
         if ch.checksum is None:
             return []
         crc = crc32c.crc32c
         if not ch.block_checksums:
-            if crc(part) != ch.checksum:
+            if crc(view[start:end]) != ch.checksum:
                 raise _mismatch(ch, start, end)
             return []
         out = []
@@ -310,6 +395,15 @@ class FileChunkReader(ChunkReader):
                 raise _mismatch(ch, lo, hi)
             out.append(c)
         return out
+
+    @staticmethod
+    def _check_blocks(ch, parts: list[list[int]]) -> None:
+        """Combine the block CRCs of a chunk's parts (:meth:`_check_range`, in order) and check
+        them against the chunk's checksum."""
+        if ch.block_checksums and ch.checksum is not None:
+            blocks = [b for p in parts for b in p]
+            if combine_block_checksums(blocks, ch.nbytes, BLOCK_BYTES) != ch.checksum:
+                raise _mismatch(ch, 0, ch.nbytes)
 
     def _read_small(self, name: str, chunks: list[tuple], resolve: Callable[[Any], Any] | None,
                     written: list[str] | None = None) -> None:
@@ -360,21 +454,35 @@ class FileChunkReader(ChunkReader):
 
     def read(self, cr: ChunkRead, out: Deliverer) -> int:
         ch = cr.source
-        isz = itemsize(ch.dtype)
         if ch.nbytes == 0:
             return 0
         if self._packed(ch) is not None:
             return self._read_packed(cr, out)
-        if len(cr.deliveries) == 1:
+        if len(cr.deliveries) == 1 and out.pending is None:
             d = cr.deliveries[0]
             if d.rank == out.rank and d.sizes == ch.sizes and self._read_direct(cr, d, out):
                 return ch.nbytes
+        runs = self._runs(cr)
+        return self._deliver_runs(cr, runs, self._fetch(ch, runs[2]), out)
+
+    @staticmethod
+    def _runs(cr: ChunkRead) -> tuple[list, bool, list[tuple[int, int]]]:
+        """What :meth:`read` reads of chunk ``cr``: (each delivery's byte runs, whether it is a
+        joint read, the runs to read: merged, widened to whole checksum blocks unless joint)."""
+        ch = cr.source
+        isz = itemsize(ch.dtype)
         per_delivery = [byte_runs(ch.offsets, ch.sizes, d.offsets, d.sizes, isz) for d in cr.deliveries]
         joint = getattr(cr, "joint", False) and ch.checksum is not None
         runs = merge_runs([r for rs in per_delivery for r in rs])
         if not joint:
             runs = _verifiable(runs, ch)
-        bufs = self._fetch(ch, runs)
+        return per_delivery, joint, runs
+
+    def _deliver_runs(self, cr: ChunkRead, runs: tuple, bufs: Sequence[Any], out: Deliverer) -> int:
+        """Verify the bytes ``bufs`` read of chunk ``cr`` (one per run of :meth:`_runs`'s
+        ``runs``) and deliver its parts from them; return the bytes read."""
+        ch = cr.source
+        per_delivery, joint, runs = runs
         if runs == [(0, ch.nbytes)]:  # the whole chunk: verify it, then slice deliveries from it
             self._verify(ch, bufs[0])
             whole = tensor_from_bytes(bufs[0], ch.dtype, ch.sizes)
@@ -396,6 +504,27 @@ class FileChunkReader(ChunkReader):
                 data = parts[0] if len(parts) == 1 else b"".join(parts)
                 out.deliver(d, tensor_from_bytes(data, ch.dtype, d.sizes))
         return sum(e - s for s, e in runs)
+
+    def _stage_rest(self, rest: Sequence[ChunkRead], out: Deliverer) -> int:
+        """:meth:`read` of every chunk of ``rest`` (a staged load's), their runs fetched in one
+        request per file (views, for storage whose reads are memory it holds)."""
+        todo = [(cr, self._runs(cr)) for cr in rest if cr.source.nbytes and self._packed(cr.source) is None]
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for cr, (_, _, runs) in todo:
+            ch = cr.source
+            by_file.setdefault(ch.file, []).extend((ch.byte_offset + s, ch.byte_offset + e) for s, e in runs)
+        views: dict[str, Iterator] = {}
+        for name, ranges in by_file.items():
+            try:
+                views[name] = iter(self.storage.read_ranges(name, ranges))
+            except CheckpointError as exc:
+                first = next(cr.source for cr, _ in todo if cr.source.file == name)
+                raise _keyed(exc, first.key) from None
+        nread = 0
+        for cr, runs in todo:
+            got = views[cr.source.file]
+            nread += self._deliver_runs(cr, runs, [next(got) for _ in runs[2]], out)
+        return nread + sum(self.read(cr, out) for cr in rest if self._packed(cr.source) is not None)
 
     def _fetch(self, ch, runs):
         try:

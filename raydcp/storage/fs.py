@@ -105,6 +105,13 @@ class CheckpointStorage:
         and node-local tiers, ``read_into_many``)."""
         return not self._local and getattr(self.fs, "read_into_many", None) is None
 
+    @property
+    def memory_reads(self) -> bool:
+        """Whether :meth:`read_ranges` gives views of memory the filesystem already holds, with
+        no I/O and no copy (a filesystem whose ``memory_views`` is True: the memory tier's
+        object stores), so that a reader can verify a piece before copying it anywhere."""
+        return getattr(self.fs, "memory_views", False) is True
+
     def __reduce__(self):
         return (type(self), (self.url, self.storage_options))
 

@@ -72,6 +72,9 @@ class RayMemFileSystem(AbstractFileSystem):
     # instance keeps for its reads (below) are released with it, or by close_reads().
     cachable = False
     _pulls = True  # a data file held on another node is pulled whole (see _pull)
+    #: Reads give zero-copy views of the object store's copies (a copy held elsewhere is pulled
+    #: whole first): CheckpointStorage.memory_reads, so a load verifies them before copying.
+    memory_views = True
 
     def __init__(self, replicas: int | None = None, keep_last: int = 1, node_cap_bytes: int | None = None,
                  timeout_s: float = 300.0, **kwargs):

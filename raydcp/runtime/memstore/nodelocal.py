@@ -42,6 +42,7 @@ class RayNodeFileSystem(RayMemFileSystem):
     # no byte cap on a disk (a full disk fails the write): no room to reserve at the plan step
     writer_site = reserve_save = release_save = None
     _pulls = False  # no objects: a peer's file is read by range from its holder
+    memory_views = False  # reads come from disks
 
     def __init__(self, keep_last: int = 0, timeout_s: float = 300.0, **kwargs):
         super().__init__(replicas=0, keep_last=keep_last, timeout_s=timeout_s, **kwargs)
