@@ -323,14 +323,15 @@ def remember_commit(storage: CheckpointStorage, writer: str) -> None:
 
 _TRACK_MIN = 1 << 20  # smaller pieces are hashed, not tracked: hashing them costs less than a registration
 _KNOWN_MAX = 1 << 16
-_KNOWN: dict[tuple[int, int], tuple[int, list[bytes]]] = {}  # (address, bytes) -> (scan, its blocks' digests)
+# (address, bytes) -> (the tracker, its scan, the blocks' digests as of that scan)
+_KNOWN: dict[tuple[int, int], tuple[Any, int, list[bytes]]] = {}
 _known_lock = threading.Lock()
 
 
-def _remember(key: tuple[int, int], epoch: int, blocks: list[bytes]) -> None:
+def _remember(key: tuple[int, int], tracking: Any, epoch: int, blocks: list[bytes]) -> None:
     with _known_lock:
         _KNOWN.pop(key, None)
-        _KNOWN[key] = (epoch, blocks)
+        _KNOWN[key] = (tracking, epoch, blocks)
         while len(_KNOWN) > _KNOWN_MAX:
             del _KNOWN[next(iter(_KNOWN))]
 
@@ -360,6 +361,7 @@ class DeltaWrite:
         self._hashing = ThreadPoolExecutor(self._threads, thread_name_prefix="raydcp-hash")
         self._blocks: dict[int, list[Future]] = {}  # item -> its blocks' digests, in runs of blocks
         self._tracked: dict[int, tuple[int, int]] = {}  # item -> (address, bytes): its digest is remembered
+        self._tracking: written_pages.WrittenPages | None = None
         self._epoch = 0  # the write-tracking scan this save's digests are as of
         self.reused: dict[int, tuple[_Chunk, str]] = {}  # item -> base chunk, its file named from the new checkpoint
         self.owners: dict[str, CheckpointStorage] = {}  # pinned owner (relative to the new checkpoint) -> its storage
@@ -398,7 +400,7 @@ class DeltaWrite:
         For a piece in this process's memory, the kernel's write tracking
         (:mod:`raydcp.engine.written_pages`) says which of its blocks nobody wrote since this
         process last hashed them: those keep their digests and are not read."""
-        tracking = written_pages.tracker() if self.sources is not None else None
+        tracking = self._tracking = written_pages.tracker() if self.sources is not None else None
         self._epoch = tracking.scan() if tracking is not None else 0
         for name, ids in files:
             for i in ids:
@@ -417,9 +419,9 @@ class DeltaWrite:
             return None
         self._tracked[i] = key
         with _known_lock:
-            epoch, blocks = _KNOWN.get(key, (0, None))
-        if blocks is None or len(blocks) != _block_count(nbytes):
-            return [None] * _block_count(nbytes)
+            by, epoch, blocks = _KNOWN.get(key, (None, 0, None))
+        if by is not tracking or len(blocks) != _block_count(nbytes):  # scans of another tracker (a
+            return [None] * _block_count(nbytes)                         # forked parent's) say nothing here
         return [d if tracking.unchanged_since(key[0] + b * DIGEST_BLOCK, min(DIGEST_BLOCK, nbytes - b * DIGEST_BLOCK),
                                               epoch) else None for b, d in enumerate(blocks)]
 
@@ -453,7 +455,7 @@ class DeltaWrite:
             blocks = [b for p in parts for b in ((p,) if isinstance(p, bytes) else p.result())]
             d = self.digests[i] = _combine(items[i].nbytes, blocks)
             if i in self._tracked:  # every block as of this save's scan (the known ones: unwritten since)
-                _remember(self._tracked.pop(i), self._epoch, blocks)
+                _remember(self._tracked.pop(i), self._tracking, self._epoch, blocks)
             if self.base is None:
                 continue
             it = items[i]

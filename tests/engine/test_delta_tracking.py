@@ -200,3 +200,27 @@ def test_every_file_decided_at_once_finds_the_bases_digests(tmp_path):
     for step in range(2, 6):
         raydcp.save(s, tmp_path / f"step-{step}", options=opts)
         assert _own_bytes(tmp_path / f"step-{step}") == 0, f"step {step} wrote unchanged pieces"
+
+
+@needs_tracking
+def test_digests_known_to_another_tracker_are_not_trusted(tmp_path, monkeypatch):
+    """A forked child opens its own tracking (its parent's is forgotten at fork): what the parent's
+    scans knew says nothing of memory the child may have written before registering it."""
+    hashed = _hashed_counter(monkeypatch)
+    t = _pages_of_its_own(2 * MIB, 6)
+    first = written_pages.WrittenPages.open()
+    monkeypatch.setattr(written_pages, "tracker", lambda: first)
+    raydcp.save({"t": t}, tmp_path / "step-1", options=SaveOptions(base="previous"))
+    first.close()  # its registrations end with it, as a parent's do for a forked child
+    t[12345] += 1  # before the next tracker registers the pages: only hashing can see it
+    second = written_pages.WrittenPages.open()
+    try:
+        monkeypatch.setattr(written_pages, "tracker", lambda: second)
+        hashed[0] = 0
+        raydcp.save({"t": t}, tmp_path / "step-2", options=SaveOptions(base="previous"))
+        assert hashed[0] == t.nbytes and _own_bytes(tmp_path / "step-2") == t.nbytes
+        out = {"t": torch.zeros_like(t)}
+        raydcp.load(out, tmp_path / "step-2")
+        assert torch.equal(out["t"], t)
+    finally:
+        second.close()
