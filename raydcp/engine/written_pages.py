@@ -102,6 +102,7 @@ class WrittenPages:
         self._regions: list[_Region] = []  # disjoint, by start
         self._starts: list[int] = []
         self.epoch = 0
+        self._maps: list[tuple[int, int, bool]] | None = None  # this process's mappings, read after the last scan
         self._vec = (_PageRegion * 256)()
 
     @classmethod
@@ -172,6 +173,7 @@ class WrittenPages:
         number (and protected again); a region whose mapping changed is forgotten. Returns the number."""
         with self._lock:
             self.epoch += 1
+            self._maps = None
             gone = [r for r in self._regions if not self._scan_region(r)]
             self._drop(gone)
             return self.epoch
@@ -206,8 +208,11 @@ class WrittenPages:
         lo, hi = address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
         with self._lock:
             todo = self._uncovered(lo, hi)
-            if todo and not _private_anonymous(todo):
-                return False
+            if todo:
+                if self._maps is None:  # read once per scan: a save asks for many pieces
+                    self._maps = _mappings()
+                if not _private_anonymous(self._maps, todo):
+                    return False
             for s, e in todo:
                 reg = _Register(_Range(s, e - s), _REGISTER_MODE_WP, 0)
                 if self._libc.ioctl(self._uffd, _UFFDIO_REGISTER, ctypes.byref(reg)) < 0:
@@ -254,22 +259,28 @@ class WrittenPages:
             return True
 
 
-def _private_anonymous(ranges: list[tuple[int, int]]) -> bool:
-    """Whether every range lies in private anonymous mappings (``/proc/self/maps``): no file's
-    pages, no memory another process may map and write (shared mappings, shared memory)."""
+def _mappings() -> list[tuple[int, int, bool]]:
+    """This process's mappings in address order (``/proc/self/maps``): start, end, and whether it
+    is private anonymous memory (no file's pages, nothing another process may map and write)."""
+    out = []
     try:
         with open("/proc/self/maps") as f:
-            maps = []
             for line in f:
                 fields = line.split(maxsplit=5)
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                maps.append((lo, hi, fields[1][3] == "p" and fields[4] == "0"))
+                out.append((lo, hi, fields[1][3] == "p" and fields[4] == "0"))
     except (OSError, ValueError, IndexError):
-        return False
+        return []
+    return out
+
+
+def _private_anonymous(maps: list[tuple[int, int, bool]], ranges: list[tuple[int, int]]) -> bool:
+    """Whether every range lies in private anonymous mappings of ``maps``."""
     for s, e in ranges:
         pos = s
-        for lo, hi, ok in maps:  # in address order
-            if hi <= pos or lo >= e:
+        k = max(0, bisect.bisect(maps, (s, float("inf"), True)) - 1)
+        for lo, hi, ok in maps[k:]:
+            if hi <= pos:
                 continue
             if lo > pos or not ok:
                 return False
