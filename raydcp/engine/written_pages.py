@@ -225,14 +225,20 @@ class WrittenPages:
                 self._starts.insert(k, s)
             return True
 
-    def _uncovered(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        out, pos = [], lo
+    def _overlapping(self, lo: int, hi: int) -> list[_Region]:
+        """The tracked regions overlapping ``[lo, hi)``, in address order."""
         k = max(0, bisect.bisect(self._starts, lo) - 1)
+        out = []
         for r in self._regions[k:]:
             if r.start >= hi:
                 break
-            if r.end <= pos:
-                continue
+            if r.end > lo:
+                out.append(r)
+        return out
+
+    def _uncovered(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        out, pos = [], lo
+        for r in self._overlapping(lo, hi):
             if r.start > pos:
                 out.append((pos, r.start))
             pos = max(pos, r.end)
@@ -247,12 +253,7 @@ class WrittenPages:
         with self._lock:
             if self._uncovered(lo, hi):
                 return False
-            k = max(0, bisect.bisect(self._starts, lo) - 1)
-            for r in self._regions[k:]:
-                if r.start >= hi:
-                    break
-                if r.end <= lo:
-                    continue
+            for r in self._overlapping(lo, hi):
                 a, b = (max(lo, r.start) - r.start) // _PAGE, (min(hi, r.end) - r.start) // _PAGE
                 if r.last[a:b].max(initial=0) > epoch:
                     return False
