@@ -328,12 +328,20 @@ _KNOWN: dict[tuple[int, int], tuple[Any, int, list[bytes]]] = {}
 _known_lock = threading.Lock()
 
 
+_HOT_SCANS = 8
+_HOT: dict[tuple[int, int], tuple[Any, int]] = {}  # (address, bytes) -> (the tracker, the scan it was untracked at)
+
+
+def _bounded(table: dict, key: Any, value: Any) -> None:
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > _KNOWN_MAX:
+        del table[next(iter(table))]
+
+
 def _remember(key: tuple[int, int], tracking: Any, epoch: int, blocks: list[bytes]) -> None:
     with _known_lock:
-        _KNOWN.pop(key, None)
-        _KNOWN[key] = (tracking, epoch, blocks)
-        while len(_KNOWN) > _KNOWN_MAX:
-            del _KNOWN[next(iter(_KNOWN))]
+        _bounded(_KNOWN, key, (tracking, epoch, blocks))
 
 
 class DeltaWrite:
@@ -410,20 +418,32 @@ class DeltaWrite:
     def _known(self, tracking: written_pages.WrittenPages, i: int) -> list[bytes | None] | None:
         """Piece ``i``'s block digests that still hold (None where a block must be hashed), or None
         when it is not tracked; a trackable piece is tracked from now on (its digests remembered
-        once hashed)."""
+        once hashed), unless it was rewritten whole since the last time: a piece trained at every
+        step would only pay a fault per page per checkpoint, so it is hashed, untracked, for the
+        next :data:`_HOT_SCANS` saves."""
         src, nbytes = self.sources[i], self.items[i].nbytes
         if nbytes < _TRACK_MIN or not written_pages.trackable(src):
             return None
-        key = (src.data_ptr(), nbytes)
+        key, count = (src.data_ptr(), nbytes), _block_count(nbytes)
+        with _known_lock:
+            by, epoch, blocks = _KNOWN.get(key, (None, 0, None))
+            hot = _HOT.get(key)
+        if hot is not None and hot[0] is tracking and self._epoch - hot[1] < _HOT_SCANS:
+            return None
+        known: list[bytes | None] = [None] * count
+        if by is tracking and len(blocks) == count:  # another tracker's scans (a forked parent's) say nothing here
+            known = [d if tracking.unchanged_since(key[0] + b * DIGEST_BLOCK, min(DIGEST_BLOCK, nbytes - b * DIGEST_BLOCK),
+                                                   epoch) else None for b, d in enumerate(blocks)]
+            if all(d is None for d in known):
+                tracking.untrack(*key)
+                with _known_lock:
+                    _KNOWN.pop(key, None)
+                    _bounded(_HOT, key, (tracking, self._epoch))
+                return None
         if not tracking.track(*key):
             return None
         self._tracked[i] = key
-        with _known_lock:
-            by, epoch, blocks = _KNOWN.get(key, (None, 0, None))
-        if by is not tracking or len(blocks) != _block_count(nbytes):  # scans of another tracker (a
-            return [None] * _block_count(nbytes)                         # forked parent's) say nothing here
-        return [d if tracking.unchanged_since(key[0] + b * DIGEST_BLOCK, min(DIGEST_BLOCK, nbytes - b * DIGEST_BLOCK),
-                                              epoch) else None for b, d in enumerate(blocks)]
+        return known
 
     def _submit(self, name: str, i: int, known: list[bytes | None] | None = None) -> list[Future | bytes]:
         """Piece ``i``'s blocks' digests: the ``known`` ones, and futures of lists of the others'."""

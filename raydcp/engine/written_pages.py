@@ -82,6 +82,7 @@ class _PageRegion(ctypes.Structure):
 
 _UFFDIO_API = _iowr(_UFFD_API, 0x3F, ctypes.sizeof(_Api))
 _UFFDIO_REGISTER = _iowr(_UFFD_API, 0x00, ctypes.sizeof(_Register))
+_UFFDIO_UNREGISTER = (2 << 30) | (ctypes.sizeof(_Range) << 16) | (_UFFD_API << 8) | 0x01  # _IOR
 _UFFDIO_WRITEPROTECT = _iowr(_UFFD_API, 0x06, ctypes.sizeof(_WriteProtect))
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 
@@ -225,6 +226,17 @@ class WrittenPages:
                 self._starts.insert(k, s)
             return True
 
+    def untrack(self, address: int, nbytes: int) -> None:
+        """Stop tracking the regions that lie within ``[address, address + nbytes)`` (their pages
+        no longer fault on a write; a region shared with memory around it stays)."""
+        lo, hi = address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
+        with self._lock:
+            inside = [r for r in self._overlapping(lo, hi) if r.start >= lo and r.end <= hi]
+            for r in inside:
+                rng = _Range(r.start, r.end - r.start)
+                self._libc.ioctl(self._uffd, _UFFDIO_UNREGISTER, ctypes.byref(rng))  # gone already: nothing to do
+            self._drop(inside)
+
     def _overlapping(self, lo: int, hi: int) -> list[_Region]:
         """The tracked regions overlapping ``[lo, hi)``, in address order."""
         k = max(0, bisect.bisect(self._starts, lo) - 1)
@@ -245,6 +257,12 @@ class WrittenPages:
         if pos < hi:
             out.append((pos, hi))
         return out
+
+    def tracks(self, address: int, nbytes: int) -> bool:
+        """Whether every page of ``[address, address + nbytes)`` is tracked."""
+        lo, hi = address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
+        with self._lock:
+            return not self._uncovered(lo, hi)
 
     def unchanged_since(self, address: int, nbytes: int, epoch: int) -> bool:
         """Whether every page of ``[address, address + nbytes)`` is tracked and was last written at
