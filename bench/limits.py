@@ -19,7 +19,7 @@ raydcp on the same machine, in the same run (the "limit"), and reports the ratio
   async     raydcp.async_save's blocking time against a memcpy of the state into preallocated
             memory in the same process: the local persister (group=None, the driver) and the Ray
             persister (4 fresh rank actors: the first call of each process without preparation,
-            and with ``raydcp.prepare_group(group, async_save=True)`` and its persister ready);
+            and with ``raydcp.prepare_group(group, async_save=True, state_dict=...)`` and its persister ready);
             the slowest rank counts.                              goal: <= 1.2x (later calls, and
             the first call after preparation; a first call without it is reported)
 
@@ -111,18 +111,18 @@ class AsyncRank(LimitRank):
 
     def async_saves(self, kind: str, path: str, prepare: bool, repeats: int) -> dict:
         """The blocking seconds of this process's first ``async_save`` (after ``prepare_group(...,
-        async_save=True)`` and its persister ready, with ``prepare``) and of ``repeats`` more, and
+        async_save=True, state_dict=...)`` and its persister ready, with ``prepare``) and of ``repeats`` more, and
         the seconds of a memcpy of the same state into preallocated memory before each."""
         import ray
 
         group = self.raydcp.Group(f"bench-async-{prepare}", self.rank, SAVERS, timeout_s=600)
+        self.prepare(kind, SAVERS, "save")
+        state = self.states[kind, SAVERS]
         if prepare:
             from raydcp.runtime.persister import persister_for_this_process
 
-            self.raydcp.prepare_group(group, async_save=True)
+            self.raydcp.prepare_group(group, async_save=True, state_dict=state)
             ray.get(persister_for_this_process().actor.ready.remote())  # as after a few training steps
-        self.prepare(kind, SAVERS, "save")
-        state = self.states[kind, SAVERS]
         return measure_async(lambda i: self.raydcp.async_save(state, f"{path}-{i}", group=group),
                              [s.tensor for s in state.values()], repeats)
 

@@ -96,7 +96,7 @@ def resolve_group(group: Group | None) -> GroupBinding:
                         lambda options: RayPersister(group, persister_for_this_process(options.persist_nice)))
 
 
-def prepare_group(group: Group, *, async_save: bool = False) -> None:
+def prepare_group(group: Group, *, async_save: bool = False, state_dict: dict | None = None) -> None:
     """Start the cluster's coordinator host in the background, if none runs (returns at once; optional).
 
     Every group's operations run in one coordinator host per Ray cluster; the first operation in a
@@ -105,7 +105,9 @@ def prepare_group(group: Group, *, async_save: bool = False) -> None:
     cost off the first checkpoint. One rank is enough; every rank may call it.
     ``async_save=True`` also starts this rank's persister actor, which the first ``async_save``
     would otherwise start (its first persist then competes with training for as long as the actor
-    takes to start).
+    takes to start); with ``state_dict`` (what this rank will pass to ``async_save``) it also
+    allocates the shared memory the rank stages that state into, so that the first ``async_save``
+    blocks only for a copy into memory already mapped, as later ones do.
     """
     if not isinstance(group, Group):
         raise CheckpointError(f"group must be a raydcp.Group, got {type(group).__name__}")
@@ -116,7 +118,15 @@ def prepare_group(group: Group, *, async_save: bool = False) -> None:
     if async_save:
         from .runtime.persister import persister_for_this_process
 
-        persister_for_this_process(AsyncOptions.from_env().persist_nice).prepare()
+        options = AsyncOptions.from_env()
+        persister = persister_for_this_process(options.persist_nice)
+        if state_dict is None:
+            persister.prepare()
+        else:
+            from .engine.staging import staging_bytes
+
+            nbytes, pin = staging_bytes(state_dict)
+            persister.prepare(min(nbytes, options.max_staging_bytes or nbytes), pin)
 
 
 def _checkpoint_id(checkpoint_id: Any) -> str:

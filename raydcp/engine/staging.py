@@ -96,7 +96,18 @@ def _register_pinned(buf: torch.Tensor) -> bool:
     """Page-lock a shared-memory arena so device-to-host copies can run asynchronously."""
     return torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0) == 0
 
-__all__ = ["StagingArena", "staging_mode", "STAGING_ENV"]
+__all__ = ["StagingArena", "staging_mode", "staging_bytes", "STAGING_ENV"]
+
+
+def staging_bytes(state_dict: dict) -> tuple[int, bool]:
+    """``(bytes, on a device)``: the arena a rank staging the tensors of ``state_dict`` needs at
+    most (each piece at an ``ALIGN`` boundary, with a margin for tensors a save splits into
+    several pieces), and whether some of them are on a device (the arena is then pinned)."""
+    from ..state import flatten_state
+
+    leaves = flatten_state(state_dict).tensors.values()
+    total = sum(-(-leaf.tensor.nbytes // ALIGN) * ALIGN for leaf in leaves)
+    return total + total // 64, any(leaf.tensor.device.type != "cpu" for leaf in leaves)
 
 
 SHM_DIR = "/dev/shm"
@@ -175,6 +186,14 @@ class StagingArena:
         return self.buffer
 
     pinned = False
+
+    def reserve(self, nbytes: int, pin: bool = False) -> torch.Tensor:
+        """Allocate the arena for ``nbytes`` ahead of the first save that needs them (kept unless
+        a save needs more), and write each of its pages once, so that the save's copies find
+        them mapped (a first touch of fresh memory costs a page fault per page)."""
+        buf = self._reserve(nbytes, pin and torch.cuda.is_available(), None)
+        buf.fill_(0)
+        return buf
 
     def close(self) -> None:
         """Free the arena (a later save allocates a new one)."""

@@ -181,10 +181,20 @@ class PersisterActor:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         ).remote(nice)
         self._ready = self.actor.ready.remote()  # done once the actor has started
+        self._attaching: tuple[int, ray.ObjectRef] | None = None  # (allocation, the actor's attach call)
 
-    def prepare(self) -> None:
-        """Have the actor start and import the save path now, without waiting for it."""
+    def prepare(self, staging_bytes: int = 0, pin: bool = False) -> None:
+        """Have the actor start and import the save path now, without waiting for it. With
+        ``staging_bytes`` (where ``/dev/shm`` has room for them), also allocate the shared
+        arena of that size now, its pages written once, and ask the actor to map it as soon as
+        it runs: the first save then stages at a memcpy's speed into memory already mapped."""
         self._ready = self.actor.ready.remote()
+        held = self.arena.buffer.numel() if self.arena.buffer is not None else 0
+        if staging_bytes <= held or not _shm_room(staging_bytes):
+            return
+        self.arena.reserve(staging_bytes, pin)
+        self._attaching = (self.arena.allocations, self.actor.attach.options(concurrency_group="arena").remote(
+            self.arena.shm_name, self.arena.buffer.numel()))
 
     def stage(self, staged: StagedState, items: list[int], cap: int | None = None) -> tuple[ray.ObjectRef | None, dict | None]:
         """The snapshot of pieces ``items``, one copy of each: into the shared arena (``(None,
@@ -193,15 +203,19 @@ class PersisterActor:
         side stream, reused across saves)."""
         need = sum(-(-staged.data[i].numel() // ALIGN) * ALIGN for i in items)
         held = self.arena.buffer.numel() if self.arena.buffer is not None else 0
-        fits = need <= held and (cap is None or held <= cap) and self._attached == self.arena.allocations
+        room = need <= held and (cap is None or held <= cap)
+        fits = room and self._attached == self.arena.allocations
         # a new arena needs the actor up to map it: until it has started (a first save without
         # raydcp.prepare_group(..., async_save=True)), the object store stages instead, without waiting
-        if fits or _shm_room(need) and ray.wait([self._ready], timeout=0)[0]:
+        if fits or (room or _shm_room(need)) and ray.wait([self._ready], timeout=0)[0]:
             layout = self.arena.stage(staged, items, limit=cap)
             name, size = self.arena.shm_name, self.arena.buffer.numel()
             if self._attached != self.arena.allocations:  # a new arena: the actor maps it, then its name goes
+                attaching, self._attaching = self._attaching, None
                 try:
-                    ray.get(self.actor.attach.options(concurrency_group="arena").remote(name, size))
+                    if attaching is None or attaching[0] != self.arena.allocations:  # not asked by prepare
+                        attaching = (0, self.actor.attach.options(concurrency_group="arena").remote(name, size))
+                    ray.get(attaching[1])
                 finally:
                     self.arena.unlink()  # mapped by the actor, or never to be: the name goes either way
                 self._attached = self.arena.allocations

@@ -29,6 +29,16 @@ class ArenaRank:
         self.w.sub_(1000)
         return fut.stall_s
 
+    def prepare(self) -> tuple[int, bool, bool]:
+        """prepare_group with the state this rank will save; then :meth:`arena` (once the persister
+        actor has started, as it has after a few training steps)."""
+        from raydcp.runtime import persister
+
+        raydcp.prepare_group(self.group, async_save=True,
+                             state_dict={"w": raydcp.Shard(self.w, (self.rank * 32, 0), (64, 64)), "step": 0})
+        ray.get(persister.persister_for_this_process().actor.ready.remote())
+        return self.arena()
+
     def arena(self) -> tuple[int, bool, bool]:
         """How often this process's staging arena was allocated, whether it holds one now, and
         whether its name is still in /dev/shm (it must not be: a killed process would leave it)."""
@@ -62,3 +72,12 @@ def test_without_room_in_dev_shm_the_object_store_stages(ray_session, tmp_path):
     ray.get([r.save.remote(str(tmp_path / "ck"), 5) for r in ranks])
     _check(tmp_path / "ck", 5, 5)
     assert ray.get([r.arena.remote() for r in ranks]) == [(0, False, False), (0, False, False)]
+
+
+def test_prepare_group_with_the_state_allocates_the_arena_the_first_save_uses(ray_session, tmp_path):
+    ranks = [ArenaRank.remote("arena-prepared", r, 2, True) for r in range(2)]
+    # allocated at once (named until the persister has mapped it and a save took the name away)
+    assert ray.get([r.prepare.remote() for r in ranks]) == [(1, True, True), (1, True, True)]
+    ray.get([r.save.remote(str(tmp_path / "ck"), 3) for r in ranks])
+    _check(tmp_path / "ck", 3, 3)
+    assert ray.get([r.arena.remote() for r in ranks]) == [(1, True, False), (1, True, False)]
