@@ -6,7 +6,8 @@ its share of the global batch with the others (gloo), and reads its samples thro
 (the test drains a node) and save an emergency checkpoint with ``raydcp.train.save_on_preemption``;
 the test's control directory says what to hold where:
 
-- ``when="before"``: the preempted ranks do not start the save (their node goes first);
+- ``when="before"``: the preempted ranks do not start the save (their node goes first; with Ray
+  Train's relaxed collectives they may also be left behind in ``get_preemption_info``);
 - ``when="during"``: every rank stops in the save, where it writes (a preempted rank writes nothing
   there), until the file ``removed`` exists: the test removes the preempted node meanwhile.
 
