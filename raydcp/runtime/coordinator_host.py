@@ -462,7 +462,9 @@ class CoordinatorHost:
         open round waits for still lives (:meth:`_gone`: Ray fails the wait on an object a dead process
         owned, whether the process, its actor or its node went); a gone one is lost from the operation.
         Only the ranks a round waits for: a rank that dies after it arrived is waited for, and found
-        gone, in the next round (the last round completes without needing it)."""
+        gone, in the next round (the last round completes without needing it); and the excused ranks
+        until they close. A waited-for rank announced to go is also lost once its node is gone, bound
+        or not (module doc, step 7)."""
         while not coord.ended():
             waiting: set[int] = set(coord.unclosed_excused())  # an excused rank: until it closes or is gone
             for rnd in list(coord._rounds.values()):
