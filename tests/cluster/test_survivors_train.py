@@ -22,7 +22,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 import raydcp
