@@ -25,10 +25,12 @@ reductions below as a :class:`~raydcp.errors.RankLost`. Per attempt, every survi
 
 Ranks announced to go (``SaveOptions.leaving``, a preemption notice's ranks) are planned around
 from the start, so that their death at any moment changes nothing: where the other ranks hold every
-piece a leaving rank holds (checked on its local plan, as above), the plan gives it nothing to write
-(step 1), and the commit does not wait for it (step 3 completes once every other rank arrived; one
-that comes later gets the metadata all the same). A leaving rank that alone holds some piece is
-planned as any rank: the save needs it, and commits without it only by a new attempt, as above.
+piece a leaving rank holds (checked on its local plan, as above; leaving ranks one by one, so
+that of two leaving ranks holding the same piece alone one is kept), the plan gives it nothing to
+write (step 1), and the commit does not wait for it (step 3 completes
+once every other rank arrived; one that comes later gets the metadata all the same). A leaving rank
+that alone holds some piece is planned as any rank: the save needs it, and commits without it only
+by a new attempt, as above.
 
 A rank that fails (raises) still fails every rank, as in every save: survivors commits are for
 lost ranks, not for errors. A rank lost before it sent its local plan cannot be checked against
@@ -159,17 +161,28 @@ def reduce_plan_survivors(options: SavePlanOptions, destination: tuple[str, dict
                                        lost_ranks=lost_ranks, failures={v.rank: v.reason for v in lost})
     url, site = live[0][0], live[0][2]
     stand_in = {v.rank: (url, LocalSavePlan(v.rank, {}, (), {}), site) for v in lost}
-    going = [r for r in sorted(set(leaving)) if 0 <= r < len(values) and r not in stand_in]
-    staying = [v[1] for r, v in enumerate(values) if r not in stand_in and r not in going]
-    if going and staying:
-        held = {k for r in going for k in (*values[r][1].tensors, *values[r][1].values)}
-        if not uncovered_keys(staying, held):  # the others hold every piece: the leaving ranks write nothing
-            stand_in.update({r: (values[r][0], LocalSavePlan(r, {}, (), {}), values[r][2]) for r in going})
+    for r in _excused_writers(values, stand_in, leaving):  # the others hold all it holds: it writes nothing
+        stand_in[r] = (values[r][0], LocalSavePlan(r, {}, (), {}), values[r][2])
     plans = [stand_in[r] if r in stand_in else v[:3] for r, v in enumerate(values)]
     out = reduce_plan(options, plans, destination)
     header = out[0][1]
     writers = frozenset(r for r, (plan, _) in enumerate(out) if rank_file_names(plan))
     return [(plan, header, writers, tuple(lost_ranks)) for plan, _ in out]
+
+
+def _excused_writers(values: Sequence[Any], lost: Collection[int], leaving: Collection[int]) -> list[int]:
+    """The leaving ranks the plan can leave without anything to write: one by one, each whose pieces
+    the ranks still writing (the staying ones and the leaving ones not excused) hold whole."""
+    going = [r for r in sorted(set(leaving)) if 0 <= r < len(values) and r not in lost]
+    if not going or len(going) + len(lost) == len(values):
+        return []
+    held = {k for r in going for k in (*values[r][1].tensors, *values[r][1].values)}
+    excused: list[int] = []
+    for r in going:
+        writing = [v[1] for q, v in enumerate(values) if q not in lost and q != r and q not in excused]
+        if not uncovered_keys(writing, held):
+            excused.append(r)
+    return excused
 
 
 def uncovered_keys(local_plans: Sequence[LocalSavePlan], required=()) -> dict[str, str]:

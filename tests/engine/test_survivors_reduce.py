@@ -115,3 +115,15 @@ def test_ranks_announced_to_go_are_given_nothing_to_write_where_the_others_hold_
     # sharded: ranks 2 and 3 alone hold rows 4-7, so they still write them
     values, _ = plan_values(path, {r: sharded(r) for r in range(4)})
     assert {2, 3} <= reduce_plan_survivors(opts, (path, None), values, leaving=(2, 3))[0][2]
+
+
+def test_of_two_ranks_announced_to_go_only_the_one_holding_what_no_other_rank_has_writes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    states = {r: {**replicated(r), **{f"t{i}": torch.full((4,), float(i)) for i in range(6)},
+                  **({"only3": torch.ones(3)} if r == 3 else {})} for r in range(4)}
+    values, _ = plan_values(path, states)
+    assert 2 in reduce_plan_survivors(plan_options(SaveOptions()), (path, None), values)[0][2]
+    plans = reduce_plan_survivors(plan_options(SaveOptions()), (path, None), values, leaving=(2, 3))
+    writers = plans[0][2]
+    assert 3 in writers and 2 not in writers
+    assert [name for name, _ in plans[3][0].files] and not list(plans[2][0].files)
