@@ -246,3 +246,17 @@ def test_a_piece_rewritten_at_every_save_is_hashed_untracked_for_a_while(tmp_pat
     assert hashed[0] == 5 * t.nbytes
     # saves 1: tracked; 2: found rewritten, untracked; 3: still untracked; 4: tried again; 5: rewritten, untracked
     assert tracked == [True, False, False, True, False]
+
+
+def test_digests_made_another_way_are_not_compared(tmp_path, monkeypatch):
+    """A base whose digest file says its digests were made otherwise (an older layout: whole pieces
+    hashed) is not compared with: its pieces are written, and the next delta references those."""
+    s = {"w": torch.randn(300_000), "b": torch.randn(10)}
+    monkeypatch.setattr(delta_mod, "DIGEST", "xxh3-128")
+    raydcp.save(s, tmp_path / "step-1", options=SaveOptions(base="previous"))
+    monkeypatch.undo()
+    raydcp.save(s, tmp_path / "step-2", options=SaveOptions(base="previous"))
+    assert _own_bytes(tmp_path / "step-2") == s["w"].nbytes + s["b"].nbytes
+    raydcp.save(s, tmp_path / "step-3", options=SaveOptions(base="previous"))
+    assert _own_bytes(tmp_path / "step-3") == 0
+    assert set(raydcp.read_metadata(tmp_path / "step-3").references) == {"../step-2"}
