@@ -45,7 +45,7 @@ from ..errors import CheckpointError, CoordinatorLostError, RankFailure
 from ..group import Group
 from ..options import AsyncOptions, SaveOptions
 from . import connection
-from .operations import next_operation
+from .operations import next_operation, this_caller
 from .ray_transport import RayTransport
 
 __all__ = ["RayPersister", "PersisterActor", "persister_for_this_process"]
@@ -189,6 +189,7 @@ class PersisterActor:
         arena of that size now, its pages written once, and ask the actor to map it as soon as
         it runs: the first save then stages at a memcpy's speed into memory already mapped."""
         self._ready = self.actor.ready.remote()
+        this_caller()  # the first save then finds this process's identity object put (a first put costs most)
         held = self.arena.buffer.numel() if self.arena.buffer is not None else 0
         if staging_bytes <= held or not _shm_room(staging_bytes):
             return
