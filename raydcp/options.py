@@ -241,7 +241,9 @@ class LoadOptions:
     ``io``: the read path's sizes and threads (:class:`IOOptions`). ``atomic`` (default True): a
     load that raises leaves the state dict as it was (tensors, plain values, Stateful objects,
     Modules and optimizers), on every rank of the group; it keeps a host copy of the tensors it
-    fills until it returns (extra host memory equal to the bytes this rank loads).
+    fills until it returns (extra host memory equal to the bytes this rank loads), except from
+    the memory tier (``raymem://``), which verifies every piece before writing any and needs no
+    copy unless a Stateful, Module or optimizer is handed state back (docs/loading.md).
     ``atomic=False`` saves that memory: a failed load may leave some tensors filled, and its
     error names them (``written_keys``).
     """
