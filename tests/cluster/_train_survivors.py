@@ -11,8 +11,13 @@ the test's control directory says what to hold where:
 - ``when="during"``: every rank stops in the save, where it writes (a preempted rank writes nothing
   there), until the file ``removed`` exists: the test removes the preempted node meanwhile.
 
+With ``sharded=True`` each worker also holds its own rows of a table nobody else holds (a
+``raydcp.Shard``, as FSDP's pieces): the preempted workers' rows are then on no survivor.
+
 Rank 0 notes every step (loss, the samples read) in ``<control>/<attempt>.log``; every rank notes
-its node in ``<control>/<attempt>.node<rank>``.
+its node in ``<control>/<attempt>.node<rank>``, what it restored in ``<control>/<attempt>.restored<rank>``
+(step and table rows, with ``sharded``), and the error its emergency save raised, if any, in
+``<control>/error<rank>``.
 """
 from __future__ import annotations
 
@@ -32,6 +37,12 @@ import raydcp.data
 import raydcp.train
 
 NUM_SAMPLES, GLOBAL_BATCH, FEATURES = 48, 8, 4
+TABLE_ROWS = 8  # the sharded table: (TABLE_ROWS, 2), rows split evenly among the workers
+
+
+def table(step: int) -> torch.Tensor:
+    """The whole sharded table after ``step`` steps (each step adds 1 to every element)."""
+    return torch.arange(TABLE_ROWS * 2, dtype=torch.float32).reshape(TABLE_ROWS, 2) + step
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +101,16 @@ def train_fn(config: dict) -> None:
     control, attempt = Path(config["control"]), config["attempt"]
     (control / f"{attempt}.node{rank}").write_text(ray.get_runtime_context().get_node_id())
     state, (x, y) = fresh_state(), data()
+    if config.get("sharded"):  # this worker's rows only
+        n = TABLE_ROWS // world
+        state["table"] = raydcp.Shard(table(0)[n * rank:n * (rank + 1)].clone(), (n * rank, 0), (TABLE_ROWS, 2))
     raydcp.train.restore(state)
+    restored = {"step": state["step"], "table": state["table"].tensor.tolist() if "table" in state else None}
+    (control / f"{attempt}.restored{rank}").write_text(json.dumps(restored))
     while state["step"] < config["steps"]:
         loss, samples = train_step(state, rank, world, x, y)
+        if "table" in state:
+            state["table"].tensor.add_(1)
         metrics = {"loss": loss, "step": state["step"]}
         if rank == 0:
             with open(control / f"{attempt}.log", "a") as f:
@@ -126,4 +144,9 @@ def _emergency(state: dict, metrics: dict, rank: int, control: Path, when: str) 
             return write(*args, **kwargs)
 
         engine.write_rank_files = held
-    raydcp.train.save_on_preemption(state, metrics, get_info=lambda: info)
+    try:
+        raydcp.train.save_on_preemption(state, metrics, get_info=lambda: info)
+    except raydcp.CheckpointError as exc:  # noted for the test; the survivors end here all the same
+        (control / f"error{rank}").write_text(json.dumps({
+            "type": type(exc).__name__, "message": str(exc), "keys": list(getattr(exc, "keys", ())),
+            "lost_ranks": list(getattr(exc, "lost_ranks", ()))}))

@@ -12,6 +12,10 @@ match an uninterrupted run's.
 - ``before``: relaxed collectives; the preempted workers never start the save (nor took part in any
   operation of the worker group before it): the survivors find them lost by their node, commit, and
   Ray Train registers the checkpoint from the survivors' reports.
+
+With state that is not replicated (each worker holds its own rows of a table) and the node removed
+during the save, nothing is committed, each survivor gets the error naming the table and the ranks
+gone, and the run resumes from the checkpoint before the notice.
 """
 from __future__ import annotations
 
@@ -95,19 +99,17 @@ def _log(control: Path, attempt: str) -> list[dict]:
     return [json.loads(line) for line in (control / f"{attempt}.log").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("when", ["during", "before"])
-def test_a_preempted_node_removed_during_or_before_the_emergency_save_and_the_run_resumes_exactly(
-        slots, tmp_path, when):
-    c, nodes = slots
+def _preempted_run(c, nodes: list, tmp_path: Path, name: str, when: str, **config) -> tuple[Path, list, list[int]]:
+    """The first run on 4 workers, a node without rank 0 drained at step ``PREEMPT_AT`` and removed at
+    its deadline (``when``: module doc); the control directory, the run's error and the ranks gone."""
     _two_nodes(c, nodes)
     control = tmp_path / "control"
     control.mkdir()
-    name = f"survivors-{when}-{uuid.uuid4().hex[:6]}"
     failed: list = []
 
     def first():
         try:
-            _trainer(tmp_path, name, 4, {"attempt": "first", "preempt_at": PREEMPT_AT, "when": when},
+            _trainer(tmp_path, name, 4, {"attempt": "first", "preempt_at": PREEMPT_AT, "when": when, **config},
                      relax=RELAX[when], grace_s=GRACE_S[when]).fit()
         except Exception as exc:  # the preemption ends the run (max_preemption_failures=0)
             failed.append(exc)
@@ -135,23 +137,24 @@ def test_a_preempted_node_removed_during_or_before_the_emergency_save_and_the_ru
     seen = sorted(p.name for p in control.iterdir())
     assert not fit.is_alive() and failed, f"the run should end with the preemption; control files: {seen}"
     assert "preempt" in f"{type(failed[0]).__name__} {failed[0]}".lower(), (failed[0], seen)
+    return control, failed, gone
 
-    emergency = [d for d in (tmp_path / "runs" / name).iterdir() if d.name.startswith("raydcp-step00000003")]
-    assert len(emergency) == 1, list((tmp_path / "runs" / name).iterdir())
-    md = raydcp.read_metadata(str(emergency[0]))
-    assert md.values["step"] == PREEMPT_AT and md.world_size == 4 and md.extra["lost_ranks"] == gone
+
+def _registered(tmp_path: Path, name: str) -> set:
     records = tmp_path / "runs" / name / raydcp.train.RECORDS_NAME
-    registered = {r.get("checkpoint") for r in map(json.loads, records.read_text().splitlines())
-                  if r.get("event") == "checkpoint"} if records.exists() else set()
-    assert (emergency[0].name in registered) == RELAX[when], registered  # strict: Ray Train never registered it
+    return {r.get("checkpoint") for r in map(json.loads, records.read_text().splitlines())
+            if r.get("event") == "checkpoint"} if records.exists() else set()
 
-    # the run resumes on the 2 remaining workers from the emergency checkpoint and goes on to the end
-    result = _trainer(tmp_path, name, 2, {"attempt": "resume"}).fit()
+
+def _resumed_equals_uninterrupted(tmp_path: Path, name: str, control: Path, resumed_from: int, **config):
+    """The run resumed on the 2 remaining workers goes on from ``resumed_from`` to the end as the
+    uninterrupted run does; its final checkpoint's metadata."""
+    result = _trainer(tmp_path, name, 2, {"attempt": "resume", **config}).fit()
     assert result.error is None
     resumed = _log(control, "resume")
-    assert resumed[0]["step"] == PREEMPT_AT + 1
+    assert resumed[0]["step"] == resumed_from + 1
     expected_log, expected_params = run.reference(STEPS)
-    got = _log(control, "first")[:PREEMPT_AT] + resumed
+    got = _log(control, "first")[:resumed_from] + resumed
     assert [e["step"] for e in got] == list(range(1, STEPS + 1))
     assert [e["samples"] for e in got] == [e["samples"] for e in expected_log]  # none skipped, none repeated
     for e, want in zip(got, expected_log):
@@ -162,3 +165,57 @@ def test_a_preempted_node_removed_during_or_before_the_emergency_save_and_the_ru
     raydcp.load(params, result.checkpoint.path, strict=False)
     for k, want in expected_params.items():
         torch.testing.assert_close(params[f"model.{k}"], want, rtol=1e-5, atol=1e-6)
+    return result
+
+
+@pytest.mark.parametrize("when", ["during", "before"])
+def test_a_preempted_node_removed_during_or_before_the_emergency_save_and_the_run_resumes_exactly(
+        slots, tmp_path, when):
+    c, nodes = slots
+    name = f"survivors-{when}-{uuid.uuid4().hex[:6]}"
+    control, _, gone = _preempted_run(c, nodes, tmp_path, name, when)
+    assert not list(control.glob("error*")), [p.read_text() for p in control.glob("error*")]
+
+    emergency = [d for d in (tmp_path / "runs" / name).iterdir() if d.name.startswith("raydcp-step00000003")]
+    assert len(emergency) == 1, list((tmp_path / "runs" / name).iterdir())
+    md = raydcp.read_metadata(str(emergency[0]))
+    assert md.values["step"] == PREEMPT_AT and md.world_size == 4 and md.extra["lost_ranks"] == gone
+    # strict: Ray Train never registered it
+    assert (emergency[0].name in _registered(tmp_path, name)) == RELAX[when], _registered(tmp_path, name)
+
+    # the run resumes on the 2 remaining workers from the emergency checkpoint and goes on to the end
+    _resumed_equals_uninterrupted(tmp_path, name, control, PREEMPT_AT)
+
+
+def test_state_only_the_preempted_node_held_commits_nothing_and_the_run_resumes_from_the_previous_checkpoint(
+        slots, tmp_path):
+    """Each worker holds its own rows of a table: the preempted node's rows are on no survivor. All 4
+    are in the emergency save when the node goes (its ranks had rows to write): nothing is committed,
+    each survivor gets the error naming the table and the ranks gone, and the run resumes from step
+    2's checkpoint, the table resharded to the 2 remaining workers."""
+    c, nodes = slots
+    name = f"survivors-sharded-{uuid.uuid4().hex[:6]}"
+    control, _, gone = _preempted_run(c, nodes, tmp_path, name, "during", sharded=True, save_at=(PREEMPT_AT - 1,))
+    survivors = sorted(set(range(4)) - set(gone))
+    assert sorted(int(p.name[len("error"):]) for p in control.glob("error*")) == survivors
+    for r in survivors:
+        err = json.loads((control / f"error{r}").read_text())
+        assert err["type"] == "StateNotCoveredError", err
+        assert err["keys"] == ["table"] and err["lost_ranks"] == gone, err
+        assert "table" in err["message"] and all(f"rank {g}" in err["message"] for g in gone), err
+    run_dir = tmp_path / "runs" / name
+    previous = [d.name for d in run_dir.iterdir() if d.name.startswith(f"raydcp-step{PREEMPT_AT - 1:08d}")]
+    assert len(previous) == 1 and previous[0] in _registered(tmp_path, name), (previous, _registered(tmp_path, name))
+    for d in run_dir.iterdir():  # nothing of step 3 committed
+        if d.name.startswith(f"raydcp-step{PREEMPT_AT:08d}"):
+            with pytest.raises(raydcp.CheckpointError):
+                raydcp.read_metadata(str(d))
+
+    result = _resumed_equals_uninterrupted(tmp_path, name, control, PREEMPT_AT - 1, sharded=True)
+    for r in range(2):  # step 2's table, rows 4r..4r+3 on rank r of 2
+        restored = json.loads((control / f"resume.restored{r}").read_text())
+        assert restored["step"] == PREEMPT_AT - 1
+        assert restored["table"] == run.table(PREEMPT_AT - 1)[4 * r:4 * r + 4].tolist(), restored
+    final = {"table": torch.zeros(run.TABLE_ROWS, 2)}
+    raydcp.load(final, result.checkpoint.path, strict=False)
+    assert torch.equal(final["table"], run.table(STEPS))
