@@ -12,7 +12,8 @@ At every step the same state is saved twice, in turns (the order alternates): as
 run's previous checkpoint (kept, under one root, as a training run keeps them) and as a full save
 (raydcp.save without a base, into a new directory: two take turns, the older removed untimed first);
 torch DCP's save (dcp.save) of the same state follows, for the peer's figure. Every file is
-fsynced by the saves themselves. Reported, for checkpoints 2..N: the bytes each delta wrote (every
+fsynced by the saves themselves. The deltas skip hashing what the kernel's write tracking says
+nobody wrote since (docs/delta.md); RAYDCP_WRITE_TRACKING=0 in the environment hashes every byte. Reported, for checkpoints 2..N: the bytes each delta wrote (every
 file of its directory: data, digest files, metadata and commit log) over the bytes that changed;
 the medians of the save times and their ratio; the bytes the N kept delta checkpoints hold on disk
 over one full checkpoint plus the changed bytes of the N-1 later ones. Then a load of the last
