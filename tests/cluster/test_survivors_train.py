@@ -11,7 +11,8 @@ match an uninterrupted run's.
   the resume finds it all the same.
 - ``before``: relaxed collectives; the preempted workers never start the save (nor took part in any
   operation of the worker group before it): the survivors find them lost by their node, commit, and
-  Ray Train registers the checkpoint from the survivors' reports.
+  Ray Train registers the checkpoint from the survivors' reports; it holds the uninterrupted run's
+  parameters at that step (the resume from a survivors' checkpoint is the "during" case's).
 
 With state that is not replicated (each worker holds its own rows of a table) and the node removed
 during the save, nothing is committed, each survivor gets the error naming the table and the ranks
@@ -183,8 +184,16 @@ def test_a_preempted_node_removed_during_or_before_the_emergency_save_and_the_ru
     # strict: Ray Train never registered it
     assert (emergency[0].name in _registered(tmp_path, name)) == RELAX[when], _registered(tmp_path, name)
 
-    # the run resumes on the 2 remaining workers from the emergency checkpoint and goes on to the end
-    _resumed_equals_uninterrupted(tmp_path, name, control, PREEMPT_AT)
+    if when == "during":
+        # the run resumes on the 2 remaining workers from the emergency checkpoint and goes on to the end
+        _resumed_equals_uninterrupted(tmp_path, name, control, PREEMPT_AT)
+    else:  # the same resume as "during" (the test of state that is not replicated resumes too): the
+        # checkpoint the survivors wrote alone holds the uninterrupted run's parameters at that step
+        _, expected = run.reference(PREEMPT_AT)
+        params = {f"model.{k}": torch.zeros(tuple(v.shape)) for k, v in expected.items()}
+        raydcp.load(params, str(emergency[0]), strict=False)
+        for k, want in expected.items():
+            torch.testing.assert_close(params[f"model.{k}"], want, rtol=1e-5, atol=1e-6)
 
 
 def test_state_only_the_preempted_node_held_commits_nothing_and_the_run_resumes_from_the_previous_checkpoint(

@@ -110,10 +110,17 @@ def head():
 
 
 def submit(env: dict, *job_args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    """``ray job submit`` of the reshard job; submitted again while the head's job agent is not up
+    yet (Ray answers "No available agent to submit job" until the agent has registered)."""
     runtime_env = json.dumps({"excludes": EXCLUDES})
     cmd = [str(BIN / "ray"), "job", "submit", "--working-dir", str(REPO), "--runtime-env-json", runtime_env,
            "--", "python", "jobs/reshard.py", *job_args]
-    return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+    deadline = time.monotonic() + 120
+    while True:
+        proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or "No available agent" not in proc.stderr or time.monotonic() > deadline:
+            return proc
+        time.sleep(1)
 
 
 @pytest.mark.ray
