@@ -17,19 +17,18 @@ demo: $(STAMP)
 
 # Three pytest processes side by side (most of the suite waits on Ray's processes, not the CPU):
 # the tests that use the session's local Ray instance (marker `ray`, added by tests/conftest.py to
-# every test that uses it), the tests that need no Ray or only a Ray head of their own (`own_ray`),
-# and the multi-node tests (marker `cluster`), which start a Ray cluster of their own that one
-# process cannot hold beside a local instance.
+# every test that uses it), the tests that need no Ray, and the multi-node tests (marker `cluster`),
+# which start a Ray cluster of their own that one process cannot hold beside a local instance.
 # The first runs in the foreground; the others' output follows it.
 test: $(STAMP)
 	@$(PY) -m pytest -q -p no:cacheprovider -m cluster tests/cluster --durations=5 > $(VENV)/cluster-tests.log 2>&1 & \
 	cluster=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -m "(not cluster and not ray) or own_ray" --durations=5 > $(VENV)/plain-tests.log 2>&1 & \
+	$(PY) -m pytest -q -p no:cacheprovider -m "not cluster and not ray" --durations=5 > $(VENV)/plain-tests.log 2>&1 & \
 	plain=$$!; trap 'kill $$cluster $$plain 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest -q -m cluster tests/cluster  (in the background: $(VENV)/cluster-tests.log)"; \
-	echo "$(PY) -m pytest -q -m \"(not cluster and not ray) or own_ray\"  (in the background: $(VENV)/plain-tests.log)"; \
-	echo "$(PY) -m pytest -q -m \"ray and not cluster and not own_ray\""; \
-	$(PY) -m pytest -q -m "ray and not cluster and not own_ray" --durations=15; main=$$?; \
+	echo "$(PY) -m pytest -q -m \"not cluster and not ray\"  (in the background: $(VENV)/plain-tests.log)"; \
+	echo "$(PY) -m pytest -q -m \"ray and not cluster\""; \
+	$(PY) -m pytest -q -m "ray and not cluster" --durations=15; main=$$?; \
 	wait $$plain; plain_rc=$$?; wait $$cluster; multi=$$?; \
 	echo "--- the tests that need no Ray, run beside the above:"; cat $(VENV)/plain-tests.log; \
 	echo "--- the multi-node cluster tests (tests/cluster), run beside the above:"; cat $(VENV)/cluster-tests.log; \

@@ -124,7 +124,6 @@ def submit(env: dict, *job_args: str, timeout: float = 400) -> subprocess.Comple
 
 
 @pytest.mark.ray
-@pytest.mark.own_ray
 def test_ray_job_submit_reshards_bit_exact_and_reruns_as_noop(head, src, full, tmp_path):
     dst = str(tmp_path / "dst")
     args = (src, dst, "--world-size", "3", "--memory-budget", "400", "--num-cpus-per-actor", "0.5", "--json")
