@@ -99,10 +99,10 @@ _DIST_SCRIPT = textwrap.dedent("""
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
         try:
             raydcp.save({"w": torch.ones(4)}, path)
+            said = f"rank {rank}: saved"
         except raydcp.CheckpointError as exc:
-            print(f"rank {rank}: {exc}", flush=True)
-        else:
-            print(f"rank {rank}: saved", flush=True)
+            said = f"rank {rank}: {exc}"
+        os.write(1, (said + "\\n").encode())  # one write: the two ranks share the pipe, lines must not interleave
         dist.destroy_process_group()
 
     if __name__ == "__main__":
