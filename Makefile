@@ -19,11 +19,12 @@ demo: $(STAMP)
 # the tests that use the session's local Ray instance (marker `ray`, added by tests/conftest.py to
 # every test that uses it), the tests that need no Ray, and the multi-node tests (marker `cluster`),
 # which start a Ray cluster of their own that one process cannot hold beside a local instance.
-# The first runs in the foreground; the others' output follows it.
+# The first runs in the foreground; the others' output follows it. The tests that need no Ray have
+# time to spare: they yield the CPU (nice) to the longest, those of the session's Ray.
 test: $(STAMP)
 	@$(PY) -m pytest -q -p no:cacheprovider -m cluster tests/cluster --durations=5 > $(VENV)/cluster-tests.log 2>&1 & \
 	cluster=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -m "not cluster and not ray" --durations=5 > $(VENV)/plain-tests.log 2>&1 & \
+	nice -n 10 $(PY) -m pytest -q -p no:cacheprovider -m "not cluster and not ray" --durations=5 > $(VENV)/plain-tests.log 2>&1 & \
 	plain=$$!; trap 'kill $$cluster $$plain 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest -q -m cluster tests/cluster  (in the background: $(VENV)/cluster-tests.log)"; \
 	echo "$(PY) -m pytest -q -m \"not cluster and not ray\"  (in the background: $(VENV)/plain-tests.log)"; \
