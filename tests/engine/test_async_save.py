@@ -101,4 +101,5 @@ def test_staging_cap_stages_in_pieces(tmp_path):
 def test_the_persisting_process_runs_at_a_lower_cpu_priority(tmp_path):
     raydcp.async_save({"w": torch.ones(8)}, tmp_path / "nice").result(timeout=60)
     pid = persist.local_persister().helper.pid
-    assert os.getpriority(os.PRIO_PROCESS, pid) >= os.getpriority(os.PRIO_PROCESS, 0) + 10
+    # 10 more than the trainer's, up to the kernel's lowest priority (19) when the trainer is niced already
+    assert os.getpriority(os.PRIO_PROCESS, pid) >= min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
