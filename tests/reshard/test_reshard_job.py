@@ -90,7 +90,18 @@ def head():
             if time.monotonic() > deadline:
                 pytest.fail("the head's dashboard did not come up within 180 s")
             time.sleep(1)
-        yield {**env, "RAY_ADDRESS": url}
+        env = {**env, "RAY_ADDRESS": url}
+        # the job system answers once its agent and job manager are up: a job that does nothing, until
+        # one succeeds (a submission to a head still starting may be refused or dropped)
+        while True:
+            warm = subprocess.run([str(BIN / "ray"), "job", "submit", "--", "python", "-c", "pass"], env=env,
+                                  capture_output=True, text=True, timeout=300)
+            if warm.returncode == 0:
+                break
+            if time.monotonic() > deadline + 120:
+                pytest.fail(f"the head's job system did not take a job: {warm.stderr[-3000:]}")
+            time.sleep(1)
+        yield env
     finally:
         if proc.poll() is None:  # `ray start --block` stops its processes on SIGTERM; the rest are killed below
             proc.send_signal(signal.SIGTERM)
@@ -110,17 +121,10 @@ def head():
 
 
 def submit(env: dict, *job_args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    """``ray job submit`` of the reshard job; submitted again while the head's job agent is not up
-    yet (Ray answers "No available agent to submit job" until the agent has registered)."""
     runtime_env = json.dumps({"excludes": EXCLUDES})
     cmd = [str(BIN / "ray"), "job", "submit", "--working-dir", str(REPO), "--runtime-env-json", runtime_env,
            "--", "python", "jobs/reshard.py", *job_args]
-    deadline = time.monotonic() + 120
-    while True:
-        proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
-        if proc.returncode == 0 or "No available agent" not in proc.stderr or time.monotonic() > deadline:
-            return proc
-        time.sleep(1)
+    return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.ray
