@@ -50,6 +50,11 @@ _PM_SCAN_WP_MATCHING, _PM_SCAN_CHECK_WPASYNC = 1 << 0, 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
 
 
+def _pages(address: int, nbytes: int) -> tuple[int, int]:
+    """The page-aligned range holding ``[address, address + nbytes)``."""
+    return address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
+
+
 def _iowr(kind: int, nr: int, size: int) -> int:
     return (3 << 30) | (size << 16) | (kind << 8) | nr
 
@@ -206,7 +211,7 @@ class WrittenPages:
         when some of them are not private anonymous memory, or the kernel refuses them. Call it
         after a :meth:`scan`, for memory that stays mapped (a tensor being saved): the scan is what
         forgets the regions of mappings that were replaced."""
-        lo, hi = address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
+        lo, hi = _pages(address, nbytes)
         with self._lock:
             todo = self._uncovered(lo, hi)
             if todo:
@@ -229,7 +234,7 @@ class WrittenPages:
     def untrack(self, address: int, nbytes: int) -> None:
         """Stop tracking the regions that lie within ``[address, address + nbytes)`` (their pages
         no longer fault on a write; a region shared with memory around it stays)."""
-        lo, hi = address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
+        lo, hi = _pages(address, nbytes)
         with self._lock:
             inside = [r for r in self._overlapping(lo, hi) if r.start >= lo and r.end <= hi]
             for r in inside:
@@ -260,14 +265,14 @@ class WrittenPages:
 
     def tracks(self, address: int, nbytes: int) -> bool:
         """Whether every page of ``[address, address + nbytes)`` is tracked."""
-        lo, hi = address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
+        lo, hi = _pages(address, nbytes)
         with self._lock:
             return not self._uncovered(lo, hi)
 
     def unchanged_since(self, address: int, nbytes: int, epoch: int) -> bool:
         """Whether every page of ``[address, address + nbytes)`` is tracked and was last written at
         or before scan ``epoch`` (as of the latest scan)."""
-        lo, hi = address // _PAGE * _PAGE, -(-(address + max(nbytes, 1)) // _PAGE) * _PAGE
+        lo, hi = _pages(address, nbytes)
         with self._lock:
             if self._uncovered(lo, hi):
                 return False
